@@ -1,0 +1,5 @@
+import sys
+
+from kda_backend.cli import main
+
+sys.exit(main())

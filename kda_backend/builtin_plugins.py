@@ -1,0 +1,53 @@
+"""Built-in hook implementations, registered ``trylast`` so that any external plugin overrides them."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kda_backend.hookspecs import hookimpl
+from kda_backend.providers.base import GemmProvider
+from kda_backend.providers.torch_provider import TorchProvider
+
+
+class TorchProviderPlugin:
+    """Contributes the torch/cuBLAS provider that serves every call."""
+
+    @hookimpl(trylast=True)
+    def kda_gemm_providers(self) -> list[GemmProvider]:
+        return [TorchProvider()]
+
+
+class DefaultHost:
+    """Host answers when no engine adapter is registered: standalone use, tests, benchmarks."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    @hookimpl(trylast=True)
+    def kda_host_fork_allowed(self, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    @hookimpl(trylast=True)
+    def kda_host_aux_stream(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device=device)
+            return self._streams[device]
+
+    @hookimpl(trylast=True)
+    def kda_autotune_cache_dir(self) -> Path:
+        return Path.home() / ".cache" / "kda_backend"
+
+    @hookimpl(trylast=True)
+    def kda_share_plan(self, plan: dict[str, Any]) -> dict[str, Any]:
+        return plan
+
+
+def builtin_plugins() -> dict[str, object]:
+    """Name -> plugin object for every built-in plugin (names can be blocked like external ones)."""
+    return {"builtin-torch-provider": TorchProviderPlugin(), "builtin-host": DefaultHost()}

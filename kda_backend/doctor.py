@@ -1,0 +1,111 @@
+"""``kda-backend doctor``: what this machine has and whether each engine would find the plugin.
+
+Nothing here imports an engine or a kernel library: versions come from package metadata, so the report is fast
+and works on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import platform
+import sys
+from typing import Any
+
+import torch
+
+import kda_backend
+from kda_backend.plugins import hooks, plugin_names
+
+ENGINE_ENTRY_POINTS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
+OPTIONAL_PACKAGES = {
+    "cute_dsl": ("nvidia-cutlass-dsl", "cutlass"),
+    "fla": ("fla-core", "fla"),
+    "flashinfer": ("flashinfer-python", "flashinfer"),
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _package(dist: str, module: str) -> dict[str, Any]:
+    return {"version": _version(dist), "importable": importlib.util.find_spec(module) is not None}
+
+
+def _cuda() -> dict[str, Any]:
+    info: dict[str, Any] = {"torch_cuda": torch.version.cuda, "available": torch.cuda.is_available()}
+    if info["available"]:
+        info["devices"] = [
+            {
+                "name": torch.cuda.get_device_name(i),
+                "capability": "sm_%d%d" % torch.cuda.get_device_capability(i),
+            }
+            for i in range(torch.cuda.device_count())
+        ]
+    return info
+
+
+def _engines() -> dict[str, Any]:
+    engines = {}
+    for engine, group in ENGINE_ENTRY_POINTS.items():
+        ours = [ep for ep in md.entry_points(group=group) if ep.name == "kda_backend"]
+        engines[engine] = {
+            "version": _version(engine),
+            "entry_point_group": group,
+            "plugin_discoverable": bool(ours),
+            "entry_point": ours[0].value if ours else None,
+        }
+    return engines
+
+
+def _cache() -> dict[str, Any]:
+    path = hooks.cache_dir()
+    files = sorted(p.name for p in path.glob("*.json")) if path.is_dir() else []
+    return {"dir": str(path), "exists": path.is_dir(), "plans": files}
+
+
+def collect() -> dict[str, Any]:
+    """The whole report as JSON-compatible data."""
+    return {
+        "kda_backend": kda_backend.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": _cuda(),
+        "packages": {key: _package(dist, module) for key, (dist, module) in OPTIONAL_PACKAGES.items()},
+        "engines": _engines(),
+        "plugins": plugin_names(),
+        "providers": [p.name for p in hooks.gemm_providers()],
+        "cache": _cache(),
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """A human table of :func:`collect`'s report."""
+    rows: list[tuple[str, str]] = [
+        ("kda-backend", report["kda_backend"]),
+        ("python", report["python"]),
+        ("platform", report["platform"]),
+        ("torch", f"{report['torch']} (CUDA {report['cuda']['torch_cuda']})"),
+    ]
+    cuda = report["cuda"]
+    if cuda["available"]:
+        rows += [(f"gpu {i}", f"{d['name']} {d['capability']}") for i, d in enumerate(cuda["devices"])]
+    else:
+        rows.append(("gpu", "none (CUDA not available)"))
+    for key, pkg in report["packages"].items():
+        rows.append((key, pkg["version"] or "not installed"))
+    for engine, info in report["engines"].items():
+        found = "plugin discoverable" if info["plugin_discoverable"] else "plugin not registered"
+        rows.append((engine, f"{info['version'] or 'not installed'}; {found} ({info['entry_point_group']})"))
+    rows.append(("plugins", ", ".join(report["plugins"])))
+    rows.append(("providers", ", ".join(report["providers"])))
+    cache = report["cache"]
+    plans = ", ".join(cache["plans"]) or "no plans"
+    rows.append(("cache", f"{cache['dir']} ({plans})" if cache["exists"] else f"{cache['dir']} (absent)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

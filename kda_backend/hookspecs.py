@@ -1,0 +1,81 @@
+"""The pluggy hook specification: the only way engines and GEMM providers talk to the core.
+
+Project name ``kda_backend``. Built-in answers live in :mod:`kda_backend.builtin_plugins` and are registered
+``trylast``, so any external plugin (an engine adapter, a provider package) overrides them. Every hook below is
+listed with its exact signature in ``docs/hooks.md``; ``tests/test_hooks_meta.py`` enforces that and that each
+hook has a test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pluggy
+import torch
+
+from kda_backend.providers.base import GemmProvider
+
+PROJECT_NAME = "kda_backend"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def kda_gemm_providers() -> list[GemmProvider]:
+    """Contribute GEMM providers.
+
+    Fires once, when the plugin manager is first built. Every implementation's providers are collected; dispatch
+    tries them by descending ``priority`` and ends at the built-in torch provider.
+
+    :returns: providers this plugin adds (possibly empty).
+    """
+
+
+@hookspec(firstresult=True)
+def kda_host_fork_allowed(device: torch.device) -> bool | None:
+    """Whether the projection may fork onto an auxiliary stream right now.
+
+    Fires at every projection forward on CUDA. A host engine answers ``True`` only while a full CUDA graph is
+    being captured (never in a breakable/piecewise segment, whose replay re-runs eagerly); ``None`` defers to the
+    next plugin. The built-in answer is ``torch.cuda.is_current_stream_capturing()``.
+
+    :param device: the device the projection runs on.
+    :returns: ``True``/``False``, or ``None`` to defer.
+    """
+
+
+@hookspec(firstresult=True)
+def kda_host_aux_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The auxiliary stream the F_A/beta -> F_B chain runs on when the projection forks.
+
+    Fires when a projection first needs its aux stream. The built-in answer creates one stream per device and
+    reuses it for every layer.
+
+    :param device: the device the projection runs on.
+    :returns: a stream on ``device``, or ``None`` to defer.
+    """
+
+
+@hookspec(firstresult=True)
+def kda_autotune_cache_dir() -> Path | None:
+    """Folder for autotune plans and compiled kernels.
+
+    Fires whenever the cache is read or written. ``KDA_BACKEND_CACHE_DIR`` wins over every plugin; the built-in
+    answer is ``~/.cache/kda_backend``.
+
+    :returns: a folder path (created on demand), or ``None`` to defer.
+    """
+
+
+@hookspec(firstresult=True)
+def kda_share_plan(plan: dict[str, Any]) -> dict[str, Any] | None:
+    """Make a tuned plan identical on every tensor-parallel rank.
+
+    Fires after a plan is loaded or tuned, before any CUDA graph is captured. A host engine broadcasts rank 0's
+    plan over its process group and returns what rank 0 had; the built-in answer (one process) returns ``plan``.
+
+    :param plan: this rank's plan as JSON-compatible data.
+    :returns: the plan every rank must use, or ``None`` to defer.
+    """

@@ -1,0 +1,152 @@
+"""``KDAProjection``: the projection stage of one KDA layer over zero-copy weight views.
+
+``forward(x)`` with x ``[M, hidden]`` returns ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])`` in the weights'
+dtype. Per M the plan says whether the F_A/beta -> F_B chain overlaps the QKVG GEMM on an aux stream and which
+provider serves each GEMM. The fork happens only when the host says it is legal (a full CUDA graph is being
+captured); otherwise the same kernels run sequentially, so eager and replayed results are bit-identical.
+
+When the plan leaves a step sequential and both big GEMMs fall to the torch provider over a packed weight, one
+``torch.mm`` over the packed ``[QKVG; FAB]`` tensor serves both (engines' own sequential path, bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda_backend import dispatch
+from kda_backend.geometry import KDAGeometry
+from kda_backend.overlap import OverlapScheduler
+from kda_backend.plan import AUTO, Plan, Step
+from kda_backend.plugins import hooks
+from kda_backend.providers.base import GemmCall, GemmProvider
+from kda_backend.weights import ProjectionWeights
+
+
+class KDAProjection:
+    """The projection stage of one layer.
+
+    :param weights: validated views (packed or split).
+    :param plan: per-M choices; the default plan is sequential with automatic providers.
+    """
+
+    def __init__(self, weights: ProjectionWeights, plan: Plan | None = None) -> None:
+        self.weights = weights
+        self.plan = plan or Plan()
+        self._scheduler = OverlapScheduler()
+        self._chosen: dict[tuple[str, int], GemmProvider] = {}
+
+    @property
+    def geometry(self) -> KDAGeometry:
+        return self.weights.geometry
+
+    def set_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        self._chosen.clear()
+
+    def validate_input(self, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming what is wrong with ``x`` (before anything is launched)."""
+        w = self.weights
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != self.geometry.hidden_size:
+            raise ValueError(f"x: shape {tuple(x.shape)} != expected [M, {self.geometry.hidden_size}]")
+        if x.dtype != w.dtype:
+            raise ValueError(f"x: dtype {x.dtype} != weight dtype {w.dtype}")
+        if x.device != w.device:
+            raise ValueError(f"x: device {x.device} != weight device {w.device}")
+        if x.shape[0] > 0 and x.stride(1) != 1:
+            raise ValueError(f"x: stride {x.stride()} must be unit along hidden")
+
+    def provider(self, role: str, m: int) -> GemmProvider:
+        """The provider serving ``role`` at ``m`` tokens (selected once per (role, M), then cached)."""
+        key = (role, m)
+        if key not in self._chosen:
+            call = self._call(role, m)
+            name = self.plan.step(m).provider(role)
+            provider = dispatch.select(call, forced=None if name == AUTO else name)
+            provider.prepare(call)
+            self._chosen[key] = provider
+        return self._chosen[key]
+
+    def prepare(self, ms: range | list[int]) -> None:
+        """Select (and compile) providers for every M in ``ms``; call before CUDA-graph capture."""
+        for m in ms:
+            for role in ("qkvg", "fab", "fb"):
+                self.provider(role, m)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project ``x [M, hidden]`` -> ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])``.
+
+        qkvg is contiguous, or a view with row stride ``packed_rows`` on the packed single-GEMM path;
+        beta_raw is always a strided view into the F_A/beta output.
+        """
+        self.validate_input(x)
+        g, w = self.geometry, self.weights
+        m = x.shape[0]
+        step = self.plan.step(m)
+        if m == 0:
+            fab = x.new_empty(0, g.fab_rows)
+            return x.new_empty(0, g.qkvg_rows), x.new_empty(0, g.local_width), fab[:, g.head_dim : g.fab_rows_used]
+        g1 = x.new_empty(m, g.local_width)
+        if self._use_packed_mm(step, m):
+            out = x.new_empty(m, g.packed_rows)
+            self.provider("qkvg", m).run("qkvg", x, w.packed, out)
+            qkvg, fab = out[:, : g.qkvg_rows], out[:, g.qkvg_rows :]
+            self._run("fb", fab[:, : g.head_dim], w.w_fb, g1)
+            return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
+
+        qkvg = x.new_empty(m, g.qkvg_rows)
+        fab = x.new_empty(m, g.fab_rows)
+
+        def main() -> None:
+            self._run("qkvg", x, w.w_qkvg, qkvg)
+
+        def side() -> None:
+            self._run("fab", x, w.w_fab, fab)
+            self._run("fb", fab[:, : g.head_dim], w.w_fb, g1)
+
+        if step.overlap and x.device.type == "cuda" and hooks.fork_allowed(x.device):
+            self._scheduler.run(main, side, hooks.aux_stream(x.device))
+        else:
+            main()
+            side()
+        return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
+
+    __call__ = forward
+
+    def _use_packed_mm(self, step: Step, m: int) -> bool:
+        return (
+            self.weights.packed is not None
+            and not step.overlap
+            and self.provider("qkvg", m).name == "torch"
+            and self.provider("fab", m).name == "torch"
+        )
+
+    def _call(self, role: str, m: int) -> GemmCall:
+        """The GEMM ``role`` performs at ``m`` tokens, with the strides the real operands will have."""
+        g, w = self.geometry, self.weights
+        weight = {"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}[role]
+        device = w.device
+        return GemmCall(
+            role=role,
+            m=m,
+            n=weight.shape[0],
+            k=weight.shape[1],
+            dtype=w.dtype,
+            device_type=device.type,
+            capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+            x_row_stride=g.fab_rows if role == "fb" else g.hidden_size,
+            w_row_stride=weight.stride(0),
+        )
+
+    def _run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        m = x.shape[0]
+        provider = self.provider(role, m)
+        try:
+            provider.run(role, x, w, out)
+        except Exception as exc:
+            if provider.name == "torch" or self.plan.step(m).provider(role) != AUTO or dispatch.is_forced(role):
+                raise
+            dispatch.mark_broken(provider, f"{type(exc).__name__}: {exc}")
+            self._chosen = {k: v for k, v in self._chosen.items() if v is not provider}
+            self._run(role, x, w, out)

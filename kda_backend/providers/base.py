@@ -1,0 +1,76 @@
+"""What a GEMM provider is: one implementation of ``out[M, N] = x[M, K] @ w[N, K]^T`` for the projection roles.
+
+Roles of the projection stage (shapes from :class:`kda_backend.geometry.KDAGeometry`):
+
+- ``qkvg``: x ``[M, hidden]`` @ QKVG ``[4*hD, hidden]``^T, the large memory-bound GEMM.
+- ``fab``: x ``[M, hidden]`` @ FAB ``[fab_rows, hidden]``^T, skinny N.
+- ``fb``: f_a ``[M, D]`` (a strided view into fab's output) @ F_B ``[hD, D]``^T, skinny K.
+
+A provider answers :meth:`GemmProvider.why_not` per call (``None`` = supported) so dispatch can log a precise
+reason, and :meth:`GemmProvider.run` writes into a caller-provided output (no allocation inside CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+ROLES = ("qkvg", "fab", "fb")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCall:
+    """Everything a provider needs to decide whether it supports one GEMM (no tensors, so it is hashable).
+
+    :param role: one of :data:`ROLES`.
+    :param m: tokens (rows of x).
+    :param n: weight rows (output features).
+    :param k: reduction length.
+    :param dtype: dtype of x, w and out (``torch.bfloat16`` in production).
+    :param device_type: ``"cuda"`` or ``"cpu"``.
+    :param capability: CUDA compute capability ``(major, minor)``, ``None`` on CPU.
+    :param x_row_stride: elements between rows of x (``k`` when contiguous; larger for strided views).
+    :param w_row_stride: elements between rows of w.
+    """
+
+    role: str
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    device_type: str
+    capability: tuple[int, int] | None
+    x_row_stride: int
+    w_row_stride: int
+
+
+class GemmProvider(abc.ABC):
+    """One GEMM implementation. Higher ``priority`` is tried first; the torch provider (priority 0) always works."""
+
+    name: str = ""
+    priority: int = 0
+
+    @abc.abstractmethod
+    def why_not(self, call: GemmCall) -> str | None:
+        """``None`` if this provider can run ``call``, else a short reason (logged once by dispatch)."""
+
+    @abc.abstractmethod
+    def run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """Compute ``out = x @ w.T`` on the current stream.
+
+        :param x: ``[M, K]``, unit stride along K.
+        :param w: ``[N, K]``, unit stride along K (a view; never copied).
+        :param out: ``[M, N]``, written in full.
+        """
+
+    def prepare(self, call: GemmCall) -> None:
+        """Compile or load whatever ``call`` needs; called before CUDA-graph capture, never inside it."""
+
+    def __repr__(self) -> str:
+        return f"<GemmProvider {self.name} priority={self.priority}>"
+
+
+class ProviderError(RuntimeError):
+    """A provider failed while preparing or running a call."""

@@ -1,0 +1,62 @@
+"""Validated, zero-copy views of one rank's projection weights, from either engine's layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kda_backend.geometry import KDAGeometry
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {shape}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: dtype {t.dtype} != expected {dtype} (all projection weights share one dtype)")
+    if t.device != device:
+        raise ValueError(f"{name}: device {t.device} != expected {device}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name}: stride {t.stride()} must be unit along the input dim (row-major rows)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionWeights:
+    """QKVG ``[4*hD, hidden]``, FAB ``[fab_rows, hidden]`` and F_B ``[hD, D]`` of one rank, as views.
+
+    ``packed`` is the ``[packed_rows, hidden]`` tensor both views come from when the engine stores them packed
+    (vLLM), else ``None`` (SGLang keeps two tensors).
+    """
+
+    w_qkvg: torch.Tensor
+    w_fab: torch.Tensor
+    w_fb: torch.Tensor
+    geometry: KDAGeometry
+    packed: torch.Tensor | None = None
+
+    @classmethod
+    def from_split(
+        cls, w_qkvg: torch.Tensor, w_fab: torch.Tensor, w_fb: torch.Tensor, geometry: KDAGeometry
+    ) -> ProjectionWeights:
+        g = geometry
+        dtype, device = w_qkvg.dtype, w_qkvg.device
+        _check("w_qkvg", w_qkvg, (g.qkvg_rows, g.hidden_size), dtype, device)
+        _check("w_fab", w_fab, (g.fab_rows, g.hidden_size), dtype, device)
+        _check("w_fb", w_fb, g.fb_shape, dtype, device)
+        return cls(w_qkvg, w_fab, w_fb, g)
+
+    @classmethod
+    def from_packed(cls, w_packed: torch.Tensor, w_fb: torch.Tensor, geometry: KDAGeometry) -> ProjectionWeights:
+        g = geometry
+        _check("w_packed", w_packed, (g.packed_rows, g.hidden_size), w_packed.dtype, w_packed.device)
+        w_qkvg, w_fab = w_packed[: g.qkvg_rows], w_packed[g.qkvg_rows :]
+        split = cls.from_split(w_qkvg, w_fab, w_fb, g)
+        return dataclasses.replace(split, packed=w_packed)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w_qkvg.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w_qkvg.device

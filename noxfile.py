@@ -1,0 +1,17 @@
+"""Test environments. `nox` runs them all; CI runs exactly that (see README.md and .ci/run)."""
+
+import nox
+
+nox.options.sessions = ["core"]
+nox.options.reuse_venv = "yes"
+
+# The CPU build of torch: the engines pin their own torch in their sessions; the core only needs a floor.
+CORE_TORCH = "torch==2.13.0"
+
+
+@nox.session(python="3.11")
+def core(session: nox.Session) -> None:
+    """The core package on the CPU: geometry, hooks, reference, dispatch, CLI, CuTe DSL compile checks."""
+    session.install(CORE_TORCH)
+    session.install("-e", ".[test]", "nvidia-cutlass-dsl[cu13]>=4.8")
+    session.run("pytest", *session.posargs)

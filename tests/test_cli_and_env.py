@@ -1,0 +1,77 @@
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kda_backend import env
+from kda_backend.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_doctor_json_reports_machine(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    (tmp_path / "plan-x.json").write_text("{}")
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["python"] == sys.version.split()[0]
+    assert report["cuda"]["available"] is False or report["cuda"]["devices"]
+    assert set(report["packages"]) == {"cute_dsl", "fla", "flashinfer"}
+    assert set(report["engines"]) == {"vllm", "sglang"}
+    assert report["engines"]["vllm"]["entry_point_group"] == "vllm.general_plugins"
+    assert "torch" in report["providers"]
+    assert report["cache"] == {"dir": str(tmp_path), "exists": True, "plans": ["plan-x.json"]}
+
+
+def test_doctor_table(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for label in ("kda-backend", "torch", "gpu", "cute_dsl", "vllm", "sglang", "providers", "cache"):
+        assert re.search(rf"^{label}\s", out, re.M), label
+
+
+def test_console_script_runs_in_subprocess():
+    proc = subprocess.run([sys.executable, "-m", "kda_backend", "doctor", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["kda_backend"]
+
+
+def test_cli_requires_a_command():
+    with pytest.raises(SystemExit):
+        main([])
+
+
+def test_core_imports_no_engine():
+    code = (
+        "import sys, kda_backend, kda_backend.cli, kda_backend.doctor, kda_backend.reference;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang')]; print(bad); assert not bad"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_env_table_in_readme_matches_env_module():
+    readme = (ROOT / "README.md").read_text()
+    documented = set(re.findall(r"^\| `(KDA_BACKEND_\w+)` \|", readme, re.M))
+    assert documented == {v.name for v in env.ENV_VARS}
+
+
+def test_every_env_var_read_in_source_is_documented():
+    names = {v.name for v in env.ENV_VARS}
+    for path in list((ROOT / "kda_backend").rglob("*.py")) + list((ROOT / "adapters").rglob("*.py")):
+        for used in re.findall(r"KDA_BACKEND_[A-Z_]+", path.read_text()):
+            assert used in names, f"{path.name} uses undocumented {used}"
+
+
+def test_env_helpers(monkeypatch):
+    monkeypatch.setenv("KDA_BACKEND_DISABLE", "Yes")
+    assert env.flag("KDA_BACKEND_DISABLE")
+    monkeypatch.setenv("KDA_BACKEND_DISABLE", "0")
+    assert not env.flag("KDA_BACKEND_DISABLE")
+    monkeypatch.setenv("KDA_BACKEND_BLOCK_PLUGINS", " a, ,b ")
+    assert env.name_list("KDA_BACKEND_BLOCK_PLUGINS") == ["a", "b"]
+    with pytest.raises(KeyError, match="not a documented"):
+        env.get("KDA_BACKEND_NOPE")

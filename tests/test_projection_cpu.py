@@ -1,0 +1,206 @@
+"""The projection stage through the public API on the CPU (torch provider), and provider dispatch."""
+
+import pytest
+import torch
+
+from kda_backend import GemmProvider, KDAProjection, Plan, ProjectionWeights, Step, hookimpl, register_plugin
+from kda_backend import dispatch
+from kda_backend.geometry import KDAGeometry, preset
+from kda_backend.providers.base import GemmCall
+from kda_backend.reference import KDALayerWeights, reference_projection
+
+TINY = KDAGeometry(hidden_size=64, num_heads=4, head_dim=16, tp_size=1)
+
+
+def _weights(geometry, seed=0, packed=False):
+    gen = torch.Generator().manual_seed(seed)
+    w = KDALayerWeights.random(geometry, gen)
+    if packed:
+        return ProjectionWeights.from_packed(torch.cat([w.w_qkvg, w.w_fab]), w.w_fb, geometry)
+    return ProjectionWeights.from_split(w.w_qkvg, w.w_fab, w.w_fb, geometry)
+
+
+def _check_against_reference(proj, x):
+    g = proj.geometry
+    qkvg, g1, beta = proj(x)
+    ref = reference_projection(x, proj.weights.w_qkvg, proj.weights.w_fab, proj.weights.w_fb, g)
+    for out, expect in zip((qkvg, g1, beta), ref):
+        assert out.shape == expect.shape and out.dtype == x.dtype
+        assert not torch.isnan(out).any()
+        err = (out.float() - expect).norm() / expect.norm()
+        assert err < 1e-2, err
+    return qkvg, g1, beta
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 33])
+def test_cpu_projection_matches_reference(m, packed):
+    proj = KDAProjection(_weights(TINY, packed=packed))
+    x = torch.randn(m, TINY.hidden_size).bfloat16()
+    _check_against_reference(proj, x)
+
+
+@pytest.mark.parametrize("tp", [8, 16], ids=lambda t: f"tp{t}")
+def test_cpu_projection_k3_geometry(tp):
+    g = preset("kimi-k3", tp)
+    proj = KDAProjection(_weights(g, seed=tp, packed=True))
+    _check_against_reference(proj, torch.randn(3, g.hidden_size).bfloat16())
+
+
+def test_packed_path_is_one_mm_over_packed_weight():
+    """Sequential torch over packed weights is bit-identical to the engines' own single GEMM."""
+    w = _weights(TINY, packed=True)
+    proj = KDAProjection(w)
+    x = torch.randn(5, TINY.hidden_size).bfloat16()
+    qkvg, g1, beta = proj(x)
+    whole = x @ w.packed.t()
+    g = TINY
+    assert torch.equal(qkvg, whole[:, : g.qkvg_rows])
+    assert torch.equal(beta, whole[:, g.qkvg_rows + g.head_dim : g.qkvg_rows + g.fab_rows_used])
+    assert torch.equal(g1, whole[:, g.qkvg_rows : g.qkvg_rows + g.head_dim] @ w.w_fb.t())
+
+
+def test_weight_views_share_storage():
+    w = _weights(TINY, packed=True)
+    assert w.w_qkvg.data_ptr() == w.packed.data_ptr()
+    assert w.w_fab.data_ptr() == w.packed[TINY.qkvg_rows :].data_ptr()
+
+
+def test_m_zero_returns_empty():
+    proj = KDAProjection(_weights(TINY))
+    qkvg, g1, beta = proj(torch.empty(0, TINY.hidden_size, dtype=torch.bfloat16))
+    assert qkvg.shape == (0, TINY.qkvg_rows) and g1.shape == (0, TINY.local_width) and beta.shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "x,match",
+    [
+        (torch.randn(2, 63).bfloat16(), r"x: shape \(2, 63\) != expected \[M, 64\]"),
+        (torch.randn(2, 2, 64).bfloat16(), r"x: shape \(2, 2, 64\)"),
+        (torch.randn(2, 64), r"x: dtype torch.float32 != weight dtype torch.bfloat16"),
+        (torch.randn(64, 2).bfloat16().t(), r"x: stride \(1, 2\) must be unit along hidden"),
+        ("not a tensor", r"x must be a torch.Tensor"),
+    ],
+    ids=["hidden", "rank", "dtype", "stride", "type"],
+)
+def test_bad_input_named(x, match):
+    proj = KDAProjection(_weights(TINY))
+    with pytest.raises(ValueError, match=match):
+        proj(x)
+
+
+@pytest.mark.parametrize(
+    "which,match",
+    [
+        ("qkvg_shape", r"w_qkvg: shape \(10, 64\) != expected \(256, 64\)"),
+        ("fab_dtype", r"w_fab: dtype torch.float32 != expected torch.bfloat16"),
+        ("fb_stride", r"w_fb: stride"),
+    ],
+)
+def test_bad_weights_named(which, match):
+    g = TINY
+    w = _weights(g)
+    args = {"w_qkvg": w.w_qkvg, "w_fab": w.w_fab, "w_fb": w.w_fb}
+    if which == "qkvg_shape":
+        args["w_qkvg"] = w.w_qkvg[:10]
+    elif which == "fab_dtype":
+        args["w_fab"] = w.w_fab.float()
+    else:
+        args["w_fb"] = torch.randn(g.head_dim, g.local_width).bfloat16().t()
+    with pytest.raises(ValueError, match=match):
+        ProjectionWeights.from_split(geometry=g, **args)
+
+
+class _Picky(GemmProvider):
+    name, priority = "picky", 10
+
+    def __init__(self, fail=False):
+        self.fail, self.calls = fail, []
+
+    def why_not(self, call):
+        return None if call.role == "qkvg" else "serves qkvg only"
+
+    def run(self, role, x, w, out):
+        self.calls.append(role)
+        if self.fail:
+            raise RuntimeError("launch failed")
+        torch.mm(x, w.t(), out=out)
+
+
+class _Plugin:
+    def __init__(self, provider):
+        self.provider = provider
+
+    @hookimpl
+    def kda_gemm_providers(self):
+        return [self.provider]
+
+
+def test_dispatch_walks_priorities_and_logs_rejections_once(kda_log):
+    picky = _Picky()
+    register_plugin(_Plugin(picky), "picky")
+    proj = KDAProjection(_weights(TINY))
+    for _ in range(3):
+        _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert proj.provider("qkvg", 4) is picky and proj.provider("fab", 4).name == "torch"
+    assert picky.calls == ["qkvg"] * 3
+    rejections = [m for m in kda_log.messages() if "picky" in m]
+    assert len(rejections) == 2 and all("serves qkvg only" in m for m in rejections)
+
+
+def test_failing_automatic_provider_falls_back_with_one_warning(kda_log):
+    picky = _Picky(fail=True)
+    register_plugin(_Plugin(picky), "picky")
+    proj = KDAProjection(_weights(TINY))
+    for _ in range(2):
+        _check_against_reference(proj, torch.randn(3, TINY.hidden_size).bfloat16())
+    assert picky.calls == ["qkvg"]
+    assert dispatch.broken_reason("picky") == "RuntimeError: launch failed"
+    warnings = [m for m in kda_log.messages() if "disabled" in m]
+    assert len(warnings) == 1 and "picky" in warnings[0]
+
+
+def test_forced_provider_fails_loudly(monkeypatch):
+    register_plugin(_Plugin(_Picky(fail=True)), "picky")
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "qkvg=picky")
+    proj = KDAProjection(_weights(TINY))
+    with pytest.raises(RuntimeError, match="launch failed"):
+        proj(torch.randn(3, TINY.hidden_size).bfloat16())
+
+
+def test_forced_provider_that_rejects_names_reason(monkeypatch):
+    register_plugin(_Plugin(_Picky()), "picky")
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "picky")
+    with pytest.raises(ValueError, match="forced provider 'picky' cannot serve fab M=2: serves qkvg only"):
+        KDAProjection(_weights(TINY))(torch.randn(2, TINY.hidden_size).bfloat16())
+
+
+def test_forced_unknown_provider_names_registered(monkeypatch):
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "cute")
+    with pytest.raises(ValueError, match=r"unknown GEMM provider 'cute'; registered: \['torch'\]"):
+        KDAProjection(_weights(TINY))(torch.randn(2, TINY.hidden_size).bfloat16())
+
+
+def test_forced_bad_role(monkeypatch):
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "qkv=torch")
+    with pytest.raises(ValueError, match=r"unknown role 'qkv'"):
+        dispatch.forced_providers()
+
+
+def test_plan_forced_provider_and_overlap_step_runs_sequentially_on_cpu():
+    """A plan asking for overlap still runs (sequentially) where the host forbids forking."""
+    picky = _Picky()
+    register_plugin(_Plugin(picky), "picky")
+    plan = Plan.uniform(8, Step(overlap=True, qkvg="picky", fab="torch", fb="torch"))
+    proj = KDAProjection(_weights(TINY, packed=True), plan)
+    _check_against_reference(proj, torch.randn(8, TINY.hidden_size).bfloat16())
+    assert picky.calls == ["qkvg"]
+
+
+def test_gemm_call_fields_for_fb_are_strided():
+    proj = KDAProjection(_weights(TINY))
+    call = proj._call("fb", 3)
+    assert call == GemmCall(
+        role="fb", m=3, n=TINY.local_width, k=TINY.head_dim, dtype=torch.bfloat16, device_type="cpu",
+        capability=None, x_row_stride=TINY.fab_rows, w_row_stride=TINY.head_dim,
+    )
