@@ -10,15 +10,19 @@ import torch
 
 from kda_backend.hookspecs import hookimpl
 from kda_backend.providers.base import GemmProvider
+from kda_backend.providers.cute_provider import CuteDslProvider
 from kda_backend.providers.torch_provider import TorchProvider
 
 
-class TorchProviderPlugin:
-    """Contributes the torch/cuBLAS provider that serves every call."""
+class BuiltinProviders:
+    """Contributes the CuTe DSL provider and the torch/cuBLAS provider that serves every call."""
+
+    def __init__(self) -> None:
+        self.cute = CuteDslProvider()
 
     @hookimpl(trylast=True)
     def kda_gemm_providers(self) -> list[GemmProvider]:
-        return [TorchProvider()]
+        return [self.cute, TorchProvider()]
 
 
 class DefaultHost:
@@ -50,4 +54,4 @@ class DefaultHost:
 
 def builtin_plugins() -> dict[str, object]:
     """Name -> plugin object for every built-in plugin (names can be blocked like external ones)."""
-    return {"builtin-torch-provider": TorchProviderPlugin(), "builtin-host": DefaultHost()}
+    return {"builtin-providers": BuiltinProviders(), "builtin-host": DefaultHost()}

@@ -74,29 +74,43 @@ class KDAProjection:
             for role in ("qkvg", "fab", "fb"):
                 self.provider(role, m)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        qkvg_out: torch.Tensor | None = None,
+        fab_out: torch.Tensor | None = None,
+        g1_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project ``x [M, hidden]`` -> ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])``.
 
-        qkvg is contiguous, or a view with row stride ``packed_rows`` on the packed single-GEMM path;
-        beta_raw is always a strided view into the F_A/beta output.
+        :param qkvg_out: optional contiguous ``[M, 4*hD]`` buffer to write qkvg into.
+        :param fab_out: optional contiguous ``[M, fab_rows]`` buffer for F_A/beta (beta_raw is a view into it).
+        :param g1_out: optional contiguous ``[M, hD]`` buffer for g1.
+
+        qkvg is contiguous, or a view with row stride ``packed_rows`` on the packed single-GEMM path (taken only
+        when no output buffers are given); beta_raw is always a strided view into the F_A/beta output.
         """
         self.validate_input(x)
         g, w = self.geometry, self.weights
         m = x.shape[0]
+        outs = {"qkvg_out": (qkvg_out, g.qkvg_rows), "fab_out": (fab_out, g.fab_rows), "g1_out": (g1_out, g.local_width)}
+        for name, (buf, cols) in outs.items():
+            if buf is not None:
+                self._validate_output(name, buf, m, cols, x)
         step = self.plan.step(m)
         if m == 0:
             fab = x.new_empty(0, g.fab_rows)
             return x.new_empty(0, g.qkvg_rows), x.new_empty(0, g.local_width), fab[:, g.head_dim : g.fab_rows_used]
-        g1 = x.new_empty(m, g.local_width)
-        if self._use_packed_mm(step, m):
+        g1 = x.new_empty(m, g.local_width) if g1_out is None else g1_out
+        if qkvg_out is None and fab_out is None and self._use_packed_mm(step, m):
             out = x.new_empty(m, g.packed_rows)
             self.provider("qkvg", m).run("qkvg", x, w.packed, out)
             qkvg, fab = out[:, : g.qkvg_rows], out[:, g.qkvg_rows :]
             self._run("fb", fab[:, : g.head_dim], w.w_fb, g1)
             return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
 
-        qkvg = x.new_empty(m, g.qkvg_rows)
-        fab = x.new_empty(m, g.fab_rows)
+        qkvg = x.new_empty(m, g.qkvg_rows) if qkvg_out is None else qkvg_out
+        fab = x.new_empty(m, g.fab_rows) if fab_out is None else fab_out
 
         def main() -> None:
             self._run("qkvg", x, w.w_qkvg, qkvg)
@@ -113,6 +127,15 @@ class KDAProjection:
         return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
 
     __call__ = forward
+
+    @staticmethod
+    def _validate_output(name: str, buf: torch.Tensor, m: int, cols: int, x: torch.Tensor) -> None:
+        if tuple(buf.shape) != (m, cols):
+            raise ValueError(f"{name}: shape {tuple(buf.shape)} != expected ({m}, {cols})")
+        if buf.dtype != x.dtype or buf.device != x.device:
+            raise ValueError(f"{name}: {buf.dtype} on {buf.device} != x's {x.dtype} on {x.device}")
+        if not buf.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous, got stride {buf.stride()}")
 
     def _use_packed_mm(self, step: Step, m: int) -> bool:
         return (

@@ -176,8 +176,8 @@ def test_forced_provider_that_rejects_names_reason(monkeypatch):
 
 
 def test_forced_unknown_provider_names_registered(monkeypatch):
-    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "cute")
-    with pytest.raises(ValueError, match=r"unknown GEMM provider 'cute'; registered: \['torch'\]"):
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "nope")
+    with pytest.raises(ValueError, match=r"unknown GEMM provider 'nope'; registered: \['cute', 'torch'\]"):
         KDAProjection(_weights(TINY))(torch.randn(2, TINY.hidden_size).bfloat16())
 
 
@@ -204,3 +204,31 @@ def test_gemm_call_fields_for_fb_are_strided():
         role="fb", m=3, n=TINY.local_width, k=TINY.head_dim, dtype=torch.bfloat16, device_type="cpu",
         capability=None, x_row_stride=TINY.fab_rows, w_row_stride=TINY.head_dim,
     )
+
+
+def test_preallocated_outputs_are_written():
+    proj = KDAProjection(_weights(TINY, packed=True))
+    g = TINY
+    x = torch.randn(3, g.hidden_size).bfloat16()
+    bufs = [torch.full((3, c), float("nan"), dtype=torch.bfloat16) for c in (g.qkvg_rows, g.fab_rows, g.local_width)]
+    qkvg, g1, beta = proj(x, *bufs)
+    assert qkvg.data_ptr() == bufs[0].data_ptr() and g1.data_ptr() == bufs[2].data_ptr()
+    assert beta.data_ptr() == bufs[1][:, g.head_dim :].data_ptr()
+    _check_against_reference(proj, x)
+    assert not any(b[:, : g.fab_rows_used].isnan().any() for b in bufs)
+
+
+@pytest.mark.parametrize(
+    "which,buf,match",
+    [
+        (0, torch.empty(3, 5, dtype=torch.bfloat16), r"qkvg_out: shape \(3, 5\) != expected \(3, 256\)"),
+        (1, torch.empty(3, 32, dtype=torch.float32), r"fab_out: torch.float32 on cpu"),
+        (2, torch.empty(64, 3, dtype=torch.bfloat16).t(), r"g1_out: must be contiguous"),
+    ],
+)
+def test_bad_output_buffers_named(which, buf, match):
+    proj = KDAProjection(_weights(TINY))
+    args = [None, None, None]
+    args[which] = buf
+    with pytest.raises(ValueError, match=match):
+        proj(torch.randn(3, TINY.hidden_size).bfloat16(), *args)

@@ -1,0 +1,70 @@
+"""Measuring the way serving runs: CUDA graphs of many layers whose weights rotate, median of replays.
+
+Weights rotate over ``copies`` sets (>= 6 for Kimi-K3: 6 x 90 MB exceeds L2 many times over), so every layer
+reads its weights from HBM as the 69 real layers do. Results are per layer. The copy bandwidth measured in the
+same process gives the HBM floor (weight bytes / bandwidth) that ratios are reported against.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available on this machine: nothing can be measured here")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def copy_bandwidth(nbytes: int = 4 * 1024**3, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write (as the anchors do)."""
+    device = require_cuda()
+    src = torch.empty(nbytes // 2 // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    return moved / statistics.median(times)
+
+
+def graph_time_per_layer(layer: Callable[[int], object], layers: int = 24, replays: int = 50) -> float:
+    """Median seconds per layer of a CUDA graph running ``layer(i)`` for i in range(layers).
+
+    ``layer`` must be capturable (all kernels compiled, no allocation that depends on data).
+    """
+    require_cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(layers):
+            layer(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            layer(i)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times) / layers

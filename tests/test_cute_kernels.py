@@ -1,0 +1,140 @@
+"""CuTe DSL skinny GEMM: tactics, provider selection and compilation for every target architecture on the CPU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kda_backend.geometry import preset
+from kda_backend.kernels.compile_cache import KernelKey, compile_gemm, target_arch
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, candidate_tactics, default_tactic, validate_tactic
+from kda_backend.providers.base import GemmCall
+from kda_backend.providers.cute_provider import CuteDslProvider
+
+ARCHS = ["sm_90a", "sm_100a"]
+
+
+def _roles(tp):
+    g = preset("kimi-k3", tp)
+    return {
+        "qkvg": (g.qkvg_rows, g.hidden_size, g.hidden_size),
+        "fab": (g.fab_rows, g.hidden_size, g.hidden_size),
+        "fb": (g.local_width, g.head_dim, g.fab_rows),
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16], ids=lambda t: f"tp{t}")
+@pytest.mark.parametrize("m", [1, 16, 17, 64])
+def test_default_tactic_valid_for_every_role(tp, m):
+    for role, (n, k, xs) in _roles(tp).items():
+        tactic = default_tactic(n, k, m)
+        assert validate_tactic(tactic, n, k, xs) is None, (role, tactic)
+        assert tactic.block_t >= min(m, 64)
+
+
+def test_block_t_buckets():
+    assert [block_t_for(m) for m in (1, 16, 17, 32, 33, 64, 65)] == [16, 16, 32, 32, 64, 64, 64]
+
+
+@pytest.mark.parametrize(
+    "tactic,n,k,xs,match",
+    [
+        (Tactic(block_n=16), 100, 7168, 7168, "block_n=16 must be a multiple of 16 dividing N=100"),
+        (Tactic(block_n=48), 6144, 7168, 7168, "power of two"),
+        (Tactic(block_k=96), 6144, 7168, 7168, "block_k=96"),
+        (Tactic(block_k=256), 6144, 7040, 7040, "dividing K=7040"),
+        (Tactic(block_t=8), 6144, 7168, 7168, "block_t=8"),
+        (Tactic(stages=1), 6144, 7168, 7168, "stages=1"),
+        (Tactic(block_n=64, block_k=512, stages=6), 6144, 7168, 7168, "shared memory"),
+        (Tactic(block_n=16, block_k=512), 6144, 7168, 7168, "cannot cover a row"),
+        (Tactic(block_k=128), 1536, 128, 140, "x row stride 140"),
+    ],
+)
+def test_validate_tactic_reasons(tactic, n, k, xs, match):
+    reason = validate_tactic(tactic, n, k, xs)
+    assert reason is not None and match in reason
+
+
+def test_candidates_are_valid_and_include_default():
+    n, k = 6144, 7168
+    cands = candidate_tactics(n, k, 4, k)
+    assert cands and all(validate_tactic(c, n, k, k) is None for c in cands)
+    assert default_tactic(n, k, 4) in cands
+
+
+def _call(**kw):
+    base = dict(role="qkvg", m=4, n=6144, k=7168, dtype=torch.bfloat16, device_type="cuda", capability=(9, 0),
+                x_row_stride=7168, w_row_stride=7168)
+    base.update(kw)
+    return GemmCall(**base)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(device_type="cpu", capability=None), "needs a CUDA device"),
+        (dict(capability=(8, 0)), "compute capability (8, 0)"),
+        (dict(capability=(12, 0)), "compute capability (12, 0)"),
+        (dict(dtype=torch.float16), "not bfloat16"),
+        (dict(m=65), "M > 64"),
+        (dict(n=100), "N=100"),
+        (dict(role="fb", n=1536, k=128, x_row_stride=140), "x row stride 140"),
+    ],
+)
+def test_provider_rejections_name_reason(kw, match):
+    reason = CuteDslProvider().why_not(_call(**kw))
+    assert reason is not None and match in reason
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (10, 3)])
+def test_provider_accepts_hopper_and_blackwell(capability):
+    assert CuteDslProvider().why_not(_call(capability=capability)) is None
+
+
+def test_provider_uses_tuned_tactic():
+    p = CuteDslProvider()
+    tuned = Tactic(block_n=32, block_k=128, block_t=16, stages=6)
+    p.set_tactics({("qkvg", 6144, 7168, 16): tuned})
+    assert p.tactic(_call(m=3)) == tuned
+    assert p.tactic(_call(m=20)) == default_tactic(6144, 7168, 20)
+
+
+def test_target_arch_needs_device_or_env(monkeypatch):
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    with pytest.raises(ValueError, match="set CUTE_DSL_ARCH"):
+        target_arch(torch.device("cpu"))
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    assert target_arch(None) == "sm_100a"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("role", ["qkvg", "fab", "fb"])
+@pytest.mark.parametrize("m", [1, 32, 64], ids=lambda m: f"M{m}")
+def test_kernel_compiles_on_cpu(arch, role, m):
+    n, k, xs = _roles(8)[role]
+    assert compile_gemm(KernelKey(default_tactic(n, k, m), n, k, xs, k, arch)) is not None
+
+
+@pytest.mark.parametrize("tp", [1, 16], ids=lambda t: f"tp{t}")
+def test_kernel_compiles_for_other_tp_sizes(tp):
+    for n, k, xs in _roles(tp).values():
+        assert compile_gemm(KernelKey(default_tactic(n, k, 4), n, k, xs, k, "sm_90a")) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptx_targets_requested_architecture(arch, tmp_path):
+    code = (
+        "from kda_backend.kernels.compile_cache import KernelKey, compile_gemm\n"
+        "from kda_backend.kernels.skinny_gemm import default_tactic\n"
+        f"compile_gemm(KernelKey(default_tactic(1536, 128, 1), 1536, 128, 144, 128, {arch!r}))\n"
+    )
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ptx = list(tmp_path.glob("*.ptx"))
+    assert ptx, list(tmp_path.iterdir())
+    text = ptx[0].read_text()
+    assert f".target {arch}" in text
+    assert "mma.sync.aligned.m16n8k16" in text and "cp.async" in text and "griddepcontrol.wait" in text

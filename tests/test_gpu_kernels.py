@@ -1,0 +1,31 @@
+"""The CuTe DSL kernel alone on the GPU: every role and TP size, strided f_a input, bad input errors."""
+
+import pytest
+import torch
+
+from kda_backend.geometry import preset
+from kda_backend.providers.cute_provider import CuteDslProvider
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16], ids=lambda t: f"tp{t}")
+@pytest.mark.parametrize("m", [1, 7, 16, 24, 64], ids=lambda m: f"M{m}")
+def test_fb_reads_strided_f_a_in_place(tp, m):
+    g = preset("kimi-k3", tp)
+    fab = torch.randn(m, g.fab_rows, device="cuda", dtype=torch.bfloat16)
+    f_a = fab[:, : g.head_dim]
+    w = torch.randn(*g.fb_shape, device="cuda", dtype=torch.bfloat16) * g.head_dim**-0.5
+    out = torch.full((m, g.local_width), float("nan"), device="cuda", dtype=torch.bfloat16)
+    CuteDslProvider().run("fb", f_a, w, out)
+    ref = f_a.float() @ w.float().t()
+    assert not out.isnan().any()
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+def test_misaligned_pointer_rejected_before_launch():
+    x = torch.randn(2, 7168 + 8, device="cuda", dtype=torch.bfloat16)[:, 1:7169]
+    w = torch.randn(144, 7168, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(2, 144, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x data pointer is not 16-byte aligned"):
+        CuteDslProvider().run("fab", x, w, out)
