@@ -30,6 +30,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Force GEMM providers: `name` for every role or `role=name,...` (roles qkvg, fab, fb). "
         "A forced provider that cannot serve a call raises instead of falling back.",
     ),
+    EnvVar(
+        "KDA_BACKEND_PLAN",
+        "",
+        "Force the projection plan: `sequential`, `overlap` (every M), or the path of a plan JSON file.",
+    ),
+    EnvVar(
+        "KDA_BACKEND_AUTOTUNE",
+        "0",
+        "`1`: when no stored plan matches this device, tune one at load time (about a minute) and store it.",
+    ),
     EnvVar("KDA_BACKEND_CACHE_DIR", "", "Autotune/compile cache folder; default: the host's choice, else `~/.cache/kda_backend`."),
     EnvVar("KDA_BACKEND_LOG_LEVEL", "INFO", "Level of the `kda_backend` logger (DEBUG, INFO, WARNING, ...)."),
     EnvVar(

@@ -1,7 +1,8 @@
 """A projection plan: per token count M, overlapped or sequential, and which provider serves each GEMM.
 
-A plan covers M = 1..``max_m``; beyond it (or for an M it has no step for) the safe default applies: sequential,
-providers chosen automatically by :mod:`kda_backend.dispatch`. ``"auto"`` as a provider name means the same.
+A plan has steps for the M values it was tuned for; any other M gets the plan's ``fallback`` step (by default
+sequential with providers chosen automatically by :mod:`kda_backend.dispatch`; ``"auto"`` as a provider name
+means the same).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Step:
 
 
 DEFAULT_STEP = Step()
+# What serves when no tuned plan exists: the engines' own sequential cuBLAS path.
+SEQUENTIAL_TORCH = Step(overlap=False, qkvg="torch", fab="torch", fb="torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,24 +52,49 @@ class Plan:
 
     steps: dict[int, Step] = dataclasses.field(default_factory=dict)
     source: str = "default"
+    fallback: Step = DEFAULT_STEP
 
     def step(self, m: int) -> Step:
-        return self.steps.get(m, DEFAULT_STEP)
+        return self.steps.get(m, self.fallback)
 
     @property
     def max_m(self) -> int:
         return max(self.steps, default=0)
 
     def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "steps": {str(m): s.to_json() for m, s in sorted(self.steps.items())}}
+        return {
+            "source": self.source,
+            "fallback": self.fallback.to_json(),
+            "steps": {str(m): s.to_json() for m, s in sorted(self.steps.items())},
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
         steps = {int(m): Step.from_json(s) for m, s in data["steps"].items()}
         if any(m <= 0 for m in steps):
             raise ValueError("plan steps must be for M >= 1")
-        return cls(steps=steps, source=str(data.get("source", "file")))
+        fallback = Step.from_json(data["fallback"]) if "fallback" in data else DEFAULT_STEP
+        return cls(steps=steps, source=str(data.get("source", "file")), fallback=fallback)
 
     @classmethod
     def uniform(cls, max_m: int, step: Step, source: str = "forced") -> Plan:
         return cls(steps={m: step for m in range(1, max_m + 1)}, source=source)
+
+    def describe(self) -> str:
+        """One line per run of equal steps, e.g. ``M 1-16: overlap qkvg=cute fab=cute fb=cute``."""
+        lines, run = [], []
+        for m in sorted(self.steps):
+            if run and (self.steps[m] != self.steps[run[-1]] or m != run[-1] + 1):
+                lines.append(_describe_run(run, self.steps[run[-1]]))
+                run = []
+            run.append(m)
+        if run:
+            lines.append(_describe_run(run, self.steps[run[-1]]))
+        lines.append(_describe_run([], self.fallback))
+        return "\n".join(lines)
+
+
+def _describe_run(ms: list[int], step: Step) -> str:
+    label = "other M" if not ms else (f"M {ms[0]}" if len(ms) == 1 else f"M {ms[0]}-{ms[-1]}")
+    mode = "overlap   " if step.overlap else "sequential"
+    return f"{label:>10}: {mode} qkvg={step.qkvg} fab={step.fab} fb={step.fb}"

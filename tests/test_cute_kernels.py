@@ -96,7 +96,7 @@ def test_provider_accepts_hopper_and_blackwell(capability):
 def test_provider_uses_tuned_tactic():
     p = CuteDslProvider()
     tuned = Tactic(block_n=32, block_k=128, block_t=16, stages=6)
-    p.set_tactics({("qkvg", 6144, 7168, 16): tuned})
+    p.add_tactics({("qkvg", 6144, 7168, 16): tuned})
     assert p.tactic(_call(m=3)) == tuned
     assert p.tactic(_call(m=20)) == default_tactic(6144, 7168, 20)
 

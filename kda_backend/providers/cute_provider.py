@@ -2,7 +2,7 @@
 
 Supported: CUDA devices of compute capability 9.x (Hopper) and 10.x (Blackwell), bf16, M up to ``MAX_M``, shapes
 the kernel tiles exactly (N a multiple of 16, K of 64, 16-byte aligned rows). The tactic per (role, M bucket) comes
-from the tuned tactic table when one was loaded (:meth:`CuteDslProvider.set_tactics`), else the kernel's default.
+from the tuned tactic table when one was loaded (:meth:`CuteDslProvider.add_tactics`), else the kernel's default.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ class CuteDslProvider(GemmProvider):
     def __init__(self) -> None:
         self._tactics: dict[tuple[str, int, int, int], Tactic] = {}
 
-    def set_tactics(self, tactics: dict[tuple[str, int, int, int], Tactic]) -> None:
-        """Tuned tactics keyed by ``(role, n, k, block_t)``."""
-        self._tactics = dict(tactics)
+    def add_tactics(self, tactics: dict[tuple[str, int, int, int], Tactic]) -> None:
+        """Install tuned tactics keyed by ``(role, n, k, block_t)`` (later entries win)."""
+        self._tactics.update(tactics)
 
     def tactic(self, call: GemmCall) -> Tactic:
         bucket = block_t_for(call.m)

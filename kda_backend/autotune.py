@@ -1,0 +1,166 @@
+"""Measuring candidate plans on the local GPU the way serving runs them, and keeping the fastest.
+
+Two levels, both timed inside CUDA graphs of many layers whose weights rotate over several copies (so nothing
+is served from L2) - see :mod:`kda_backend.timing`:
+
+1. CuTe tactics, per role and token bucket: each candidate kernel alone, summed over a few M of the bucket.
+2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
+   candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path.
+
+Tuning compiles kernels and captures graphs, so it runs before the engine captures its own graphs, never inside.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+
+import torch
+
+from kda_backend import dispatch
+from kda_backend.geometry import KDAGeometry
+from kda_backend.kernels.compile_cache import KernelKey, compiled_gemms, target_arch
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, candidate_tactics, default_tactic
+from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+from kda_backend.plan_store import TacticTable
+from kda_backend.projection import KDAProjection
+from kda_backend.providers.cute_provider import MAX_M as CUTE_MAX_M
+from kda_backend.timing import graph_time_per_layer
+from kda_backend.weights import ProjectionWeights
+
+COPIES = 6
+LAYERS = 24
+DEFAULT_MS = tuple(range(1, 17)) + (24, 32, 48, 64, 96, 128, 192, 256)
+# Representative M per token bucket for tactic tuning.
+BUCKET_MS = {16: (1, 8, 16), 32: (24, 32), 64: (48, 64)}
+
+
+def make_weight_copies(geometry: KDAGeometry, device: torch.device, copies: int = COPIES) -> list[ProjectionWeights]:
+    """``copies`` independent packed weight sets (random, bf16), enough to defeat L2 across layers."""
+    g = geometry
+    out = []
+    for _ in range(copies):
+        packed = torch.randn(g.packed_rows, g.hidden_size, device=device, dtype=torch.bfloat16) * g.hidden_size**-0.5
+        w_fb = torch.randn(*g.fb_shape, device=device, dtype=torch.bfloat16) * g.head_dim**-0.5
+        out.append(ProjectionWeights.from_packed(packed, w_fb, g))
+    return out
+
+
+def _role_shapes(g: KDAGeometry) -> dict[str, tuple[int, int, int]]:
+    return {
+        "qkvg": (g.qkvg_rows, g.hidden_size, g.hidden_size),
+        "fab": (g.fab_rows, g.hidden_size, g.hidden_size),
+        "fb": (g.local_width, g.head_dim, g.fab_rows),
+    }
+
+
+def tune_tactics(
+    geometry: KDAGeometry,
+    weights: list[ProjectionWeights],
+    buckets: Iterable[int],
+    max_candidates: int = 24,
+    progress: Callable[[str], None] = lambda _: None,
+) -> TacticTable:
+    """The fastest CuTe tactic per (role, N, K, token bucket)."""
+    device = weights[0].device
+    arch = target_arch(device)
+    table: TacticTable = {}
+    for role, (n, k, xs) in _role_shapes(geometry).items():
+        w_of = {"qkvg": lambda w: w.w_qkvg, "fab": lambda w: w.w_fab, "fb": lambda w: w.w_fb}[role]
+        for bucket in buckets:
+            ms = BUCKET_MS[bucket]
+            cands = _shortlist(candidate_tactics(n, k, ms[-1], xs), default_tactic(n, k, ms[-1]), max_candidates)
+            best: tuple[float, Tactic] | None = None
+            for tactic in cands:
+                kernel = compiled_gemms.get(KernelKey(tactic, n, k, xs, k, arch))
+                total = 0.0
+                for m in ms:
+                    base = [torch.randn(m, xs, device=device, dtype=torch.bfloat16) for _ in weights]
+                    xs_ = [b[:, :k] for b in base]
+                    outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]
+                    total += graph_time_per_layer(
+                        lambda i: kernel(xs_[i % len(weights)], w_of(weights[i % len(weights)]), outs[i % len(weights)].t()),
+                        layers=LAYERS,
+                    )
+                if best is None or total < best[0]:
+                    best = (total, tactic)
+            assert best is not None
+            table[(role, n, k, bucket)] = best[1]
+            progress(f"tactic {role} t{bucket}: {best[1].key()} ({best[0] / len(ms) * 1e6:.2f} us avg)")
+    return table
+
+
+def _shortlist(cands: list[Tactic], default: Tactic, limit: int) -> list[Tactic]:
+    """The default first, then candidates closest to it (same block_n first), at most ``limit``."""
+    others = [c for c in cands if c != default]
+    others.sort(key=lambda c: (c.block_n != default.block_n, abs(c.stages - default.stages), c.block_k != default.block_k))
+    return [default, *others[: limit - 1]]
+
+
+def step_candidates(m: int) -> list[Step]:
+    providers = ("cute", "torch") if m <= CUTE_MAX_M else ("torch",)
+    return [
+        Step(overlap=overlap, qkvg=main, fab=side, fb=side)
+        for overlap, main, side in itertools.product((False, True), providers, providers)
+    ]
+
+
+def time_step(weights: list[ProjectionWeights], step: Step, m: int) -> float:
+    """Seconds per layer of the whole projection stage with ``step`` at ``m`` tokens."""
+    device = weights[0].device
+    plan = Plan(steps={m: step}, source="candidate")
+    projs = [KDAProjection(w, plan) for w in weights]
+    for p in projs:
+        p.prepare([m])
+    g = weights[0].geometry
+    xs = [torch.randn(m, g.hidden_size, device=device, dtype=torch.bfloat16) for _ in weights]
+    return graph_time_per_layer(lambda i: projs[i % len(projs)](xs[i % len(xs)]), layers=LAYERS)
+
+
+def tune_plan(
+    weights: list[ProjectionWeights],
+    ms: Iterable[int] = DEFAULT_MS,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[Plan, dict[int, dict[str, float]]]:
+    """Per M, the fastest step; also returns every candidate's time (seconds per layer) for reports."""
+    steps: dict[int, Step] = {}
+    timings: dict[int, dict[str, float]] = {}
+    for m in ms:
+        results = []
+        for step in step_candidates(m):
+            try:
+                results.append((time_step(weights, step, m), step))
+            except Exception as exc:  # a candidate that cannot run is not a plan; report it and go on
+                progress(f"M={m} {step} failed: {type(exc).__name__}: {exc}")
+        best_time, best = min(results, key=lambda r: r[0])
+        steps[m] = best
+        timings[m] = {_step_label(s): t for t, s in results}
+        progress(f"M={m}: {_step_label(best)} {best_time * 1e6:.2f} us")
+    return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH), timings
+
+
+def _step_label(step: Step) -> str:
+    return f"{'ovl' if step.overlap else 'seq'}:{step.qkvg}/{step.fab}"
+
+
+def autotune(
+    geometry: KDAGeometry,
+    device: torch.device,
+    ms: Iterable[int] = DEFAULT_MS,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[Plan, TacticTable]:
+    """Tune tactics then the plan for ``geometry`` on ``device``; installs the tactics in the CuTe provider."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("autotune cannot run inside a CUDA-graph capture")
+    ms = sorted(set(ms))
+    weights = make_weight_copies(geometry, device)
+    buckets = sorted({block_t_for(m) for m in ms if m <= CUTE_MAX_M})
+    tactics = tune_tactics(geometry, weights, buckets, progress=progress)
+    install_tactics(tactics)
+    plan, _ = tune_plan(weights, ms, progress=progress)
+    return plan, tactics
+
+
+def install_tactics(tactics: TacticTable) -> None:
+    """Make the CuTe provider use ``tactics`` (merged with those already installed)."""
+    dispatch.provider_by_name("cute").add_tactics(tactics)

@@ -1,0 +1,140 @@
+"""Plans: serialization, the persisted store (atomic, locked, corrupt/mismatched files), resolution order."""
+
+import json
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from kda_backend import hookimpl, plan_store, register_plugin
+from kda_backend.geometry import preset
+from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+from kda_backend.planning import forced_plan, resolve_plan, share
+
+G = preset("kimi-k3", 8)
+KEY = plan_store.plan_key(G, "NVIDIA H200", (9, 0), torch.bfloat16)
+PLAN = Plan(
+    steps={1: Step(True, "cute", "cute", "cute"), 2: Step(False, "torch", "cute", "cute")},
+    source="autotune",
+    fallback=SEQUENTIAL_TORCH,
+)
+TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16, stages=4)}
+
+
+def test_plan_json_round_trip_and_lookup():
+    again = Plan.from_json(json.loads(json.dumps(PLAN.to_json())))
+    assert again == PLAN
+    assert again.step(1).overlap and again.step(3) == SEQUENTIAL_TORCH and again.max_m == 2
+    with pytest.raises(ValueError, match="unknown fields"):
+        Step.from_json({"overlap": True, "qkv": "x"})
+
+
+def test_key_names_everything_that_changes_the_answer():
+    assert set(KEY) == {"device", "capability", "geometry", "dtype", "kda_backend", "torch", "cutlass_dsl"}
+    other = plan_store.plan_key(preset("kimi-k3", 4), "NVIDIA H200", (9, 0), torch.bfloat16)
+    assert plan_store.plan_path(KEY) != plan_store.plan_path(other)
+
+
+def test_store_round_trip(tmp_path):
+    path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    assert path.parent == tmp_path and not list(tmp_path.glob("*.tmp"))
+    assert plan_store.load(KEY, tmp_path) == (PLAN, TACTICS)
+
+
+def test_store_uses_hook_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    assert plan_store.save(KEY, PLAN, TACTICS).parent == tmp_path
+    assert plan_store.load(KEY) == (PLAN, TACTICS)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "key": ', "", '{"format": 99}', "[]"],
+                         ids=["corrupt", "truncated", "empty", "format", "list"])
+def test_corrupt_files_warn_once_and_are_ignored(tmp_path, content, kda_log):
+    path = plan_store.plan_path(KEY, tmp_path)
+    path.write_text(content)
+    assert plan_store.load(KEY, tmp_path) is None
+    assert plan_store.load(KEY, tmp_path) is None
+    warnings = [m for m in kda_log.messages() if "ignoring unreadable plan" in m]
+    assert len(warnings) == 1
+
+
+def test_mismatched_key_is_ignored_with_reason(tmp_path, kda_log):
+    path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    data = json.loads(path.read_text())
+    data["key"]["device"] = "NVIDIA H100"
+    path.write_text(json.dumps(data))
+    assert plan_store.load(KEY, tmp_path) is None
+    assert any("made for another device" in m for m in kda_log.messages())
+
+
+def _writer(folder, worker, rounds):
+    plan = Plan(steps={m: Step(overlap=bool(worker % 2)) for m in range(1, 200)}, source=f"worker{worker}")
+    for _ in range(rounds):
+        plan_store.save(KEY, plan, TACTICS, folder)
+        loaded = plan_store.load(KEY, folder)
+        assert loaded is not None and loaded[0].source.startswith("worker")
+
+
+def test_concurrent_writers_never_tear_the_file(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(tmp_path, w, 30)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    plan, tactics = plan_store.load(KEY, tmp_path)
+    assert plan.source in {"worker0", "worker1"} and tactics == TACTICS
+
+
+def test_forced_plans(tmp_path, monkeypatch):
+    assert forced_plan() is None
+    monkeypatch.setenv("KDA_BACKEND_PLAN", "overlap")
+    plan, _ = forced_plan()
+    assert plan.step(16).overlap and plan.source == "env:overlap"
+    monkeypatch.setenv("KDA_BACKEND_PLAN", "sequential")
+    assert not forced_plan()[0].step(1).overlap
+    path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    monkeypatch.setenv("KDA_BACKEND_PLAN", str(path))
+    assert forced_plan() == (PLAN, TACTICS)
+    monkeypatch.setenv("KDA_BACKEND_PLAN", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="not 'sequential', 'overlap' or a readable plan file"):
+        forced_plan()
+
+
+def test_resolve_on_cpu_is_the_automatic_plan():
+    plan = resolve_plan(G, torch.device("cpu"))
+    assert plan.source == "cpu" and plan.steps == {}
+
+
+def test_resolve_miss_falls_back_to_sequential_torch_with_one_warning(tmp_path, monkeypatch, kda_log):
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(plan_store, "device_key", lambda g, d, t: plan_store.plan_key(g, "Fake GPU", (9, 0), t))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU")
+    for _ in range(2):
+        plan = resolve_plan(G, torch.device("cuda", 0))
+        assert plan.step(4) == SEQUENTIAL_TORCH
+    assert len([m for m in kda_log.messages() if "no tuned plan" in m]) == 1
+
+
+def test_resolve_hit_installs_tactics(tmp_path, monkeypatch):
+    from kda_backend import dispatch
+
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    key = plan_store.plan_key(G, "Fake GPU", (9, 0), torch.bfloat16)
+    monkeypatch.setattr(plan_store, "device_key", lambda g, d, t: key)
+    plan_store.save(key, PLAN, TACTICS)
+    assert resolve_plan(G, torch.device("cuda", 0)) == PLAN
+    assert dispatch.provider_by_name("cute")._tactics[("qkvg", 6144, 7168, 16)] == TACTICS[("qkvg", 6144, 7168, 16)]
+
+
+def test_share_passes_through_host_hook():
+    class Rank0:
+        @hookimpl
+        def kda_share_plan(self, plan):
+            return {"plan": Plan.uniform(2, Step(overlap=True), source="rank0").to_json(), "tactics": plan["tactics"]}
+
+    register_plugin(Rank0(), "rank0")
+    plan, tactics = share(PLAN, TACTICS)
+    assert plan.source == "rank0" and tactics == TACTICS
