@@ -75,3 +75,37 @@ def test_env_helpers(monkeypatch):
     assert env.name_list("KDA_BACKEND_BLOCK_PLUGINS") == ["a", "b"]
     with pytest.raises(KeyError, match="not a documented"):
         env.get("KDA_BACKEND_NOPE")
+
+
+@pytest.mark.parametrize("command", ["autotune", "bench"])
+def test_measuring_commands_fail_clearly_without_cuda(command, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([command, "--tp", "8"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_bad_ms_rejected(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--ms", "1,x"])
+    assert "--ms wants comma-separated integers" in capsys.readouterr().err
+
+
+def test_plot_from_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kda_backend.bench import render_table
+
+    rows = [
+        {"m": m, "floor": 21.8, "qkvg_floor": 21.0, "plan": {"overlap": True, "qkvg": "cute", "fab": "cute", "fb": "cute"},
+         "seq_cublas": 29.0, "peers": 25.5, "ours": 22.5, "qkvg_cublas": 24.5, "qkvg_cute": 21.9, "qkvg_ctas": 384,
+         "fab_cute": 3.0, "fab_ctas": 9, "fb_cute": 2.0, "fb_ctas": 96}
+        for m in (1, 2, 4)
+    ]
+    results = {"device": "X", "copy_bandwidth_tbs": 4.2, "plan_source": "test", "geometry": {"tp_size": 8}, "rows": rows}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(results))
+    assert main(["plot", str(path)]) == 0
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    table = render_table(results)
+    assert "1.289" in table and "384" in table

@@ -1,0 +1,201 @@
+"""``kda-backend bench``: the projection stage against its baselines and the HBM floor, in one run on one GPU.
+
+Variants per M (all through :class:`~kda_backend.projection.KDAProjection`, inside CUDA graphs of many layers
+with rotated weights, see :mod:`kda_backend.timing`):
+
+- ``seq_cublas``: sequential, one cuBLAS GEMM over the packed [QKVG; FAB] weight then F_B (vLLM's fallback path);
+- ``peers``: cuBLAS QKVG on the main stream, cuBLAS F_A/beta -> F_B on an aux stream (both engines' Hopper design);
+- ``ours``: this device's tuned plan (or whatever :func:`~kda_backend.planning.resolve_plan` gives);
+- ``qkvg_cublas`` / ``qkvg_cute`` / ``fab_cute`` / ``fb_cute``: single GEMMs alone, for the kernel report.
+
+The floor is weight bytes / copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kda_backend.autotune import COPIES, LAYERS, make_weight_copies
+from kda_backend.geometry import KDAGeometry
+from kda_backend.kernels.compile_cache import KernelKey, compiled_gemms, target_arch
+from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+from kda_backend.planning import resolve_plan
+from kda_backend.projection import KDAProjection
+from kda_backend.providers.cute_provider import MAX_M as CUTE_MAX_M
+from kda_backend.timing import copy_bandwidth, graph_time_per_layer, require_cuda
+
+DEFAULT_MS = tuple(range(1, 17)) + (24, 32, 64, 128, 256)
+LAYER_MS = (1, 4, 16)
+PEERS = Step(overlap=True, qkvg="torch", fab="torch", fb="torch")
+
+
+def _stage_time(weights, plan: Plan, m: int) -> float:
+    projs = [KDAProjection(w, plan) for w in weights]
+    for p in projs:
+        p.prepare([m])
+    g = weights[0].geometry
+    xs = [torch.randn(m, g.hidden_size, device=weights[0].device, dtype=torch.bfloat16) for _ in weights]
+    return graph_time_per_layer(lambda i: projs[i % len(projs)](xs[i % len(xs)]), layers=LAYERS)
+
+
+def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, int | None]:
+    """Seconds per call of one role's GEMM alone, and the CTA count for the CuTe kernel."""
+    from kda_backend import dispatch
+
+    g = weights[0].geometry
+    device = weights[0].device
+    pick = {"qkvg": lambda w: w.w_qkvg, "fab": lambda w: w.w_fab, "fb": lambda w: w.w_fb}[role]
+    n, k = pick(weights[0]).shape
+    xs_stride = g.fab_rows if role == "fb" else g.hidden_size
+    xs = [torch.randn(m, xs_stride, device=device, dtype=torch.bfloat16)[:, :k] for _ in weights]
+    outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]
+    ctas = None
+    if provider == "cute":
+        cute = dispatch.provider_by_name("cute")
+        proj = KDAProjection(weights[0])
+        tactic = cute.tactic(proj._call(role, m))
+        kernel = compiled_gemms.get(KernelKey(tactic, n, k, xs_stride, k, target_arch(device)))
+        ctas = (n // tactic.block_n) * -(-m // tactic.block_t)
+
+        def run(i: int) -> None:
+            kernel(xs[i % len(xs)], pick(weights[i % len(weights)]), outs[i % len(outs)].t())
+    else:
+
+        def run(i: int) -> None:
+            torch.mm(xs[i % len(xs)], pick(weights[i % len(weights)]).t(), out=outs[i % len(outs)])
+
+    return graph_time_per_layer(run, layers=LAYERS), ctas
+
+
+def _layer_decode_time(geometry: KDAGeometry, plan: Plan, m: int, device: torch.device) -> float:
+    """Seconds per layer of one full KimiK3DeltaAttention decode step (M sequences, one token each)."""
+    from kda_backend.layer import KimiK3DeltaAttention
+    from kda_backend.reference import KDALayerWeights
+
+    gen = torch.Generator().manual_seed(m)
+    layers = [
+        KimiK3DeltaAttention(geometry, KDALayerWeights.random(geometry, gen, device=str(device)), plan=plan)
+        for _ in range(COPIES)
+    ]
+    states = [layer.new_state(m) for layer in layers]
+    xs = [torch.randn(m, 1, geometry.hidden_size, device=device, dtype=torch.bfloat16) for _ in layers]
+    for layer in layers:
+        layer.projection.prepare([m])
+    return graph_time_per_layer(lambda i: layers[i % COPIES](xs[i % COPIES], *states[i % COPIES]), layers=LAYERS)
+
+
+def run_bench(
+    geometry: KDAGeometry,
+    ms: tuple[int, ...] = DEFAULT_MS,
+    progress: Callable[[str], None] = print,
+    tick: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Measure every variant for every M; returns JSON-compatible results (times in microseconds)."""
+    device = require_cuda()
+    bandwidth = copy_bandwidth()
+    weights = make_weight_copies(geometry, device)
+    plan = resolve_plan(geometry, device)
+    floor_us = geometry.weight_bytes() / bandwidth * 1e6
+    qkvg_floor_us = geometry.qkvg_rows * geometry.hidden_size * 2 / bandwidth * 1e6
+    rows = []
+    for m in ms:
+        row: dict[str, Any] = {"m": m, "floor": floor_us, "qkvg_floor": qkvg_floor_us, "plan": plan.step(m).to_json()}
+        row["seq_cublas"] = _stage_time(weights, Plan(fallback=SEQUENTIAL_TORCH), m) * 1e6
+        row["peers"] = _stage_time(weights, Plan(fallback=PEERS), m) * 1e6
+        row["ours"] = _stage_time(weights, plan, m) * 1e6
+        row["qkvg_cublas"] = _gemm_time(weights, "qkvg", m, "torch")[0] * 1e6
+        if m <= CUTE_MAX_M:
+            for role in ("qkvg", "fab", "fb"):
+                t, ctas = _gemm_time(weights, role, m, "cute")
+                row[f"{role}_cute"], row[f"{role}_ctas"] = t * 1e6, ctas
+        rows.append(row)
+        tick()
+    layer_rows = []
+    for m in LAYER_MS:
+        if m not in ms:
+            continue
+        layer_us = _layer_decode_time(geometry, plan, m, device) * 1e6
+        ours = next(r["ours"] for r in rows if r["m"] == m)
+        layer_rows.append({"m": m, "layer": layer_us, "projection": ours, "share": ours / layer_us})
+    return {
+        "device": torch.cuda.get_device_name(device),
+        "capability": list(torch.cuda.get_device_capability(device)),
+        "torch": torch.__version__,
+        "geometry": geometry.describe(),
+        "copy_bandwidth_tbs": bandwidth / 1e12,
+        "weight_bytes": geometry.weight_bytes(),
+        "plan_source": plan.source,
+        "plan": plan.describe(),
+        "rows": rows,
+        "layer_rows": layer_rows,
+    }
+
+
+def render_table(results: dict[str, Any]) -> str:
+    """The stage table (times in us, ratios) and the kernel table."""
+    lines = [
+        f"{results['device']}  copy bandwidth {results['copy_bandwidth_tbs']:.3f} TB/s  "
+        f"floor {results['rows'][0]['floor']:.2f} us  plan: {results['plan_source']}",
+        f"{'M':>4} {'seq_cuBLAS':>10} {'peers':>8} {'ours':>8} {'floor':>7} {'ours/floor':>10} "
+        f"{'seq/ours':>8} {'peers/ours':>10}  plan",
+    ]
+    for r in results["rows"]:
+        step = r["plan"]
+        mode = f"{'ovl' if step['overlap'] else 'seq'} {step['qkvg']}/{step['fab']}/{step['fb']}"
+        lines.append(
+            f"{r['m']:>4} {r['seq_cublas']:>10.2f} {r['peers']:>8.2f} {r['ours']:>8.2f} {r['floor']:>7.2f} "
+            f"{r['ours'] / r['floor']:>10.3f} {r['seq_cublas'] / r['ours']:>8.3f} {r['peers'] / r['ours']:>10.3f}  {mode}"
+        )
+    lines.append("")
+    lines.append(
+        f"{'M':>4} {'qkvg_cute':>9} {'%copyBW':>8} {'qkvg_cuBLAS':>11} {'cuBLAS/cute':>11} "
+        f"{'fab_cute':>8} {'fab_CTAs':>8} {'fb_cute':>7} {'fb_CTAs':>7}"
+    )
+    for r in results["rows"]:
+        if "qkvg_cute" not in r:
+            continue
+        lines.append(
+            f"{r['m']:>4} {r['qkvg_cute']:>9.2f} {r['qkvg_floor'] / r['qkvg_cute'] * 100:>7.1f}% "
+            f"{r['qkvg_cublas']:>11.2f} {r['qkvg_cublas'] / r['qkvg_cute']:>11.3f} "
+            f"{r['fab_cute']:>8.2f} {r['fab_ctas']:>8} {r['fb_cute']:>7.2f} {r['fb_ctas']:>7}"
+        )
+    if results.get("layer_rows"):
+        lines += ["", f"{'M':>4} {'KDA decode step':>15} {'projection':>10} {'share':>6}"]
+        for r in results["layer_rows"]:
+            lines.append(f"{r['m']:>4} {r['layer']:>15.2f} {r['projection']:>10.2f} {r['share'] * 100:>5.1f}%")
+    return "\n".join(lines)
+
+
+def write_plot(results: dict[str, Any], path: Path) -> None:
+    """Latency vs M for every stage variant, with the HBM floor line (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    ms = [r["m"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key, label in (("seq_cublas", "sequential packed cuBLAS"), ("peers", "peers: cuBLAS + aux stream"),
+                       ("ours", "kda-backend plan")):
+        ax.plot(ms, [r[key] for r in rows], marker="o", label=label)
+    ax.axhline(rows[0]["floor"], color="k", linestyle="--", label="HBM floor (weights / copy BW)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("M (tokens per step)")
+    ax.set_ylabel("us per layer")
+    ax.set_title(f"KDA projection stage, {results['device']}, tp{results['geometry']['tp_size']}")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save_json(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
