@@ -58,7 +58,7 @@ def tune_tactics(
     geometry: KDAGeometry,
     weights: list[ProjectionWeights],
     buckets: Iterable[int],
-    max_candidates: int = 24,
+    max_candidates: int = 10,
     progress: Callable[[str], None] = lambda _: None,
 ) -> TacticTable:
     """The fastest CuTe tactic per (role, N, K, token bucket)."""
