@@ -138,3 +138,19 @@ def test_ptx_targets_requested_architecture(arch, tmp_path):
     text = ptx[0].read_text()
     assert f".target {arch}" in text
     assert "mma.sync.aligned.m16n8k16" in text and "cp.async" in text and "griddepcontrol.wait" in text
+
+
+def test_skinny_n_is_split_along_k():
+    for tp in (1, 2, 4, 8, 16):
+        n, k, _ = _roles(tp)["fab"]
+        tactic = default_tactic(n, k, 1)
+        assert tactic.split_k > 1 and (n // tactic.block_n) * tactic.split_k <= 128
+    assert default_tactic(6144, 7168, 1).split_k == 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_k_kernel_compiles(arch):
+    n, k, xs = _roles(8)["fab"]
+    tactic = Tactic(block_n=16, block_k=128, block_t=16, stages=2, split_k=14)
+    assert validate_tactic(tactic, n, k, xs) is None
+    assert compile_gemm(KernelKey(tactic, n, k, xs, k, arch)) is not None

@@ -45,7 +45,8 @@ def target_arch(device: torch.device | None = None) -> str:
 
 
 def compile_gemm(key: KernelKey) -> Any:
-    """Compile one kernel for ``key.arch`` and return the TVM-FFI callable ``f(x, w, out_t)``."""
+    """Compile one kernel for ``key.arch`` and return the TVM-FFI callable ``f(x, w, out_t)`` (with split-K,
+    ``out_t`` is the fp32 workspace ``[split_k, M, N]`` permuted to ``(N, M, split_k)``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -54,7 +55,12 @@ def compile_gemm(key: KernelKey) -> Any:
     m = cute.sym_int32(symbol="M")
     x = make_fake_tensor(cutlass.BFloat16, (m, key.k), (key.x_row_stride, 1), assumed_align=16)
     w = make_fake_tensor(cutlass.BFloat16, (key.n, key.k), (key.w_row_stride, 1), assumed_align=16)
-    out_t = make_fake_tensor(cutlass.BFloat16, (key.n, m), (1, key.n), assumed_align=16)
+    if key.tactic.split_k > 1:
+        out_t = make_fake_tensor(
+            cutlass.Float32, (key.n, m, key.tactic.split_k), (1, key.n, cute.sym_int64()), assumed_align=16
+        )
+    else:
+        out_t = make_fake_tensor(cutlass.BFloat16, (key.n, m), (1, key.n), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(gemm, x, w, out_t, stream, options=f"--enable-tvm-ffi --gpu-arch {key.arch}")
 

@@ -45,6 +45,9 @@ class Tactic:
         issued its prologue (measured on H200: 2-8% faster than releasing it after the main loop).
     :param x_via_l1: load activations through L1 (``cp.async.ca``) so CTAs sharing an SM share them; pays at
         larger M where activation traffic rivals the weights'.
+    :param split_k: CTAs sharing one output tile along K (grid z). Each writes an fp32 partial to a workspace
+        ``[split_k, M, N]`` that the caller sums in a fixed order (deterministic, no atomics). Gives a skinny-N GEMM
+        (F_A/beta) many small CTAs, which fit beside the QKVG kernel's CTAs when both run concurrently.
     """
 
     block_n: int = 64
@@ -53,6 +56,7 @@ class Tactic:
     stages: int = 6
     pdl: bool = True
     x_via_l1: bool = True
+    split_k: int = 1
 
     @property
     def warps(self) -> int:
@@ -68,7 +72,11 @@ class Tactic:
         return self.stages * (self.block_n + self.block_t) * self.block_k * 2
 
     def key(self) -> str:
-        return f"n{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{'p' if self.pdl else ''}{'L' if self.x_via_l1 else ''}"
+        split = f"x{self.split_k}" if self.split_k > 1 else ""
+        return (
+            f"n{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}"
+            f"{'p' if self.pdl else ''}{'L' if self.x_via_l1 else ''}"
+        )
 
 
 def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | None:
@@ -81,6 +89,8 @@ def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | 
         return f"block_t={tactic.block_t} must be 16, 32 or 64"
     if tactic.stages < 2:
         return f"stages={tactic.stages} must be >= 2"
+    if tactic.split_k < 1 or (k // tactic.block_k) % tactic.split_k:
+        return f"split_k={tactic.split_k} must divide the {k // tactic.block_k} K-tiles"
     if tactic.block_n & (tactic.block_n - 1):
         return f"block_n={tactic.block_n} must be a power of two (copy passes must align with 8-row swizzle atoms)"
     lanes_per_row = tactic.block_k // ELEMS_PER_COPY
@@ -98,21 +108,41 @@ def block_t_for(m: int) -> int:
     return next((t for t in (16, 32, 64) if m <= t), 64)
 
 
+# A skinny-N GEMM with fewer row blocks than this is split along K (its CTAs then fit beside QKVG's).
+SPLIT_BELOW_ROW_BLOCKS = 32
+SPLIT_TARGET_CTAS = 128
+
+
 def default_tactic(n: int, k: int, m: int) -> Tactic:
     """A sound tactic without tuning (the H200 sweep's winner for QKVG at M = 1..16): 16-row CTAs, so even
-    small N spreads over many SMs and three CTAs share an SM; 512-byte row segments per stage; 4 stages."""
+    small N spreads over many SMs and three CTAs share an SM; 512-byte row segments per stage; 4 stages.
+    Skinny N (F_A/beta) is split along K into about ``SPLIT_TARGET_CTAS`` CTAs of two small stages each."""
     if n % 16:
         raise ValueError(f"N={n} is not a multiple of 16")
     block_k = next((b for b in (256, 128, 64) if k % b == 0), None)
     if block_k is None:
         raise ValueError(f"K={k} is not a multiple of 64")
-    return Tactic(block_n=16, block_k=block_k, block_t=block_t_for(m), stages=max(2, min(4, k // block_k)))
+    block_t = block_t_for(m)
+    row_blocks, k_tiles = n // 16, k // block_k
+    if row_blocks < SPLIT_BELOW_ROW_BLOCKS and k_tiles > 4:
+        block_k = 128 if k % 128 == 0 else block_k
+        k_tiles = k // block_k
+        splits = [s for s in range(1, k_tiles + 1) if k_tiles % s == 0 and row_blocks * s <= SPLIT_TARGET_CTAS]
+        return Tactic(block_n=16, block_k=block_k, block_t=block_t, stages=2, split_k=max(splits))
+    return Tactic(block_n=16, block_k=block_k, block_t=block_t, stages=max(2, min(4, k_tiles)))
 
 
 def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space)."""
     block_t = block_t_for(m)
     found = []
+    k_tiles_128 = k // 128
+    splits = [1] + ([d for d in (2, 4, 7, 8, 14, 16) if k_tiles_128 % d == 0] if n // 16 < SPLIT_BELOW_ROW_BLOCKS else [])
+    for split_k in splits:
+        for stages in (2, 3):
+            tactic = Tactic(16, 128, block_t, stages, split_k=split_k)
+            if split_k > 1 and validate_tactic(tactic, n, k, x_row_stride) is None:
+                found.append(tactic)
     for block_n in (16, 32, 64):
         for block_k in (128, 256, 512):
             for stages in (2, 3, 4, 6):
@@ -158,7 +188,8 @@ class SkinnyGemm:
 
     @cute.jit
     def __call__(self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, stream):
-        """``m_x`` (M, K), ``m_w`` (N, K), ``m_out_t`` (N, M) = out transposed (stride (1, N))."""
+        """``m_x`` (M, K), ``m_w`` (N, K); ``m_out_t`` (N, M) = out transposed (stride (1, N)), or with split-K the
+        fp32 workspace (N, M, split_k) with strides (1, N, M*N)."""
         t = self.tactic
         dtype = m_w.element_type
         mma = cute.make_tiled_mma(
@@ -168,7 +199,7 @@ class SkinnyGemm:
         )
         s_w_layout = self._smem_layout(t.block_n)
         s_x_layout = self._smem_layout(t.block_t)
-        grid = (self.n // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), 1)
+        grid = (self.n // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         g2s_w = self._g2s_copy(dtype, False)
         g2s_x = self._g2s_copy(dtype, t.x_via_l1)
         self.kernel(m_x, m_w, m_out_t, s_w_layout, s_x_layout, g2s_w, g2s_x, mma).launch(
@@ -193,16 +224,20 @@ class SkinnyGemm:
     ):
         t = self.tactic
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, bidy, _ = cute.arch.block_idx()
+        bidx, bidy, bidz = cute.arch.block_idx()
         m_tokens = m_x.shape[0]
-        k_tiles = self.k // t.block_k
+        k_tiles = self.k // t.block_k // t.split_k
+        k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
 
         # Tiles of this CTA: gW (block_n, block_k, k_tiles), gX (block_t, block_k, k_tiles), gO (block_n, block_t)
         g_w = cute.local_tile(m_w, (t.block_n, t.block_k), (bidx, None))
         g_x = cute.local_tile(m_x, (t.block_t, t.block_k), (bidy, None))
-        g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
+        m_out = m_out_t
+        if cutlass.const_expr(t.split_k > 1):
+            m_out = m_out_t[None, None, bidz]
+        g_o = cute.local_tile(m_out, (t.block_n, t.block_t), (bidx, bidy))
         c_x = cute.local_tile(cute.make_identity_tensor(m_x.shape), (t.block_t, t.block_k), (bidy, None))
-        c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
+        c_o = cute.local_tile(cute.make_identity_tensor(m_out.shape), (t.block_n, t.block_t), (bidx, bidy))
 
         smem = cutlass.utils.SmemAllocator()
         s_w = smem.allocate_tensor(m_w.element_type, s_w_layout, 128)
@@ -236,14 +271,14 @@ class SkinnyGemm:
         # both operands of K-tile s have landed.
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                cute.copy(g2s, t_gw[None, None, None, s], t_sw[None, None, None, s])
+                cute.copy(g2s, t_gw[None, None, None, k_first + s], t_sw[None, None, None, s])
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                cute.copy(g2s_x, t_gx[None, None, None, s], t_sx[None, None, None, s], pred=p_x)
+                cute.copy(g2s_x, t_gx[None, None, None, k_first + s], t_sx[None, None, None, s], pred=p_x)
             cute.arch.cp_async_commit_group()
 
         thr_mma = mma.get_slice(tidx)
@@ -275,8 +310,8 @@ class SkinnyGemm:
             nxt = k_tile + t.stages - 1
             if nxt < k_tiles:
                 slot = nxt % t.stages
-                cute.copy(g2s, t_gw[None, None, None, nxt], t_sw[None, None, None, slot])
-                cute.copy(g2s_x, t_gx[None, None, None, nxt], t_sx[None, None, None, slot], pred=p_x)
+                cute.copy(g2s, t_gw[None, None, None, k_first + nxt], t_sw[None, None, None, slot])
+                cute.copy(g2s_x, t_gx[None, None, None, k_first + nxt], t_sx[None, None, None, slot], pred=p_x)
             cute.arch.cp_async_commit_group()
             read = k_tile % t.stages
             for kb in cutlass.range(k_blocks, unroll_full=True):
