@@ -19,12 +19,12 @@ import torch
 
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
-from kda_backend.kernels.compile_cache import KernelKey, compiled_gemms, target_arch
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, candidate_tactics, default_tactic
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.plan_store import TacticTable
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.cute_provider import MAX_M as CUTE_MAX_M
+from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
 
@@ -63,7 +63,6 @@ def tune_tactics(
 ) -> TacticTable:
     """The fastest CuTe tactic per (role, N, K, token bucket)."""
     device = weights[0].device
-    arch = target_arch(device)
     table: TacticTable = {}
     for role, (n, k, xs) in _role_shapes(geometry).items():
         w_of = {"qkvg": lambda w: w.w_qkvg, "fab": lambda w: w.w_fab, "fb": lambda w: w.w_fb}[role]
@@ -72,15 +71,14 @@ def tune_tactics(
             cands = _shortlist(candidate_tactics(n, k, ms[-1], xs), default_tactic(n, k, ms[-1]), max_candidates)
             best: tuple[float, Tactic] | None = None
             for tactic in cands:
-                kernel = compiled_gemms.get(KernelKey(tactic, n, k, xs, k, arch))
                 total = 0.0
                 for m in ms:
                     base = [torch.randn(m, xs, device=device, dtype=torch.bfloat16) for _ in weights]
                     xs_ = [b[:, :k] for b in base]
                     outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]
+                    c = len(weights)
                     total += graph_time_per_layer(
-                        lambda i: kernel(xs_[i % len(weights)], w_of(weights[i % len(weights)]), outs[i % len(weights)].t()),
-                        layers=LAYERS,
+                        lambda i: launch(tactic, xs_[i % c], w_of(weights[i % c]), outs[i % c]), layers=LAYERS
                     )
                 if best is None or total < best[0]:
                     best = (total, tactic)

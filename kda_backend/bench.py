@@ -22,11 +22,11 @@ import torch
 
 from kda_backend.autotune import COPIES, LAYERS, make_weight_copies
 from kda_backend.geometry import KDAGeometry
-from kda_backend.kernels.compile_cache import KernelKey, compiled_gemms, target_arch
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.cute_provider import MAX_M as CUTE_MAX_M
+from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import copy_bandwidth, graph_time_per_layer, require_cuda
 
 DEFAULT_MS = tuple(range(1, 17)) + (24, 32, 64, 128, 256)
@@ -59,11 +59,10 @@ def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, int | 
         cute = dispatch.provider_by_name("cute")
         proj = KDAProjection(weights[0])
         tactic = cute.tactic(proj._call(role, m))
-        kernel = compiled_gemms.get(KernelKey(tactic, n, k, xs_stride, k, target_arch(device)))
-        ctas = (n // tactic.block_n) * -(-m // tactic.block_t)
+        ctas = (n // tactic.block_n) * -(-m // tactic.block_t) * tactic.split_k
 
         def run(i: int) -> None:
-            kernel(xs[i % len(xs)], pick(weights[i % len(weights)]), outs[i % len(outs)].t())
+            launch(tactic, xs[i % len(xs)], pick(weights[i % len(weights)]), outs[i % len(outs)])
     else:
 
         def run(i: int) -> None:

@@ -65,13 +65,18 @@ class CuteDslProvider(GemmProvider):
         if not out.is_contiguous():
             raise ValueError(f"{role}: out must be contiguous [M, N], got stride {out.stride()}")
         call = GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, x.stride(0), w.stride(0))
-        key = self._key(call, x.device)
-        kernel = compiled_gemms.get(key)
-        split = key.tactic.split_k
-        if split == 1:
-            kernel(x, w, out.t())
-            return
-        workspace = torch.empty(split, call.m, call.n, device=x.device, dtype=torch.float32)
-        kernel(x, w, workspace.permute(2, 1, 0))
-        # torch's CUDA sum reduces in a fixed order: deterministic run to run.
-        out.copy_(workspace.sum(dim=0))
+        launch(self.tactic(call), x, w, out)
+
+
+def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[M, N] = x @ w.T`` with one tactic (compiled on first use; never inside a capture)."""
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    key = KernelKey(tactic, n, k, x.stride(0), w.stride(0), target_arch(x.device))
+    kernel = compiled_gemms.get(key)
+    if tactic.split_k == 1:
+        kernel(x, w, out.t())
+        return
+    workspace = torch.empty(tactic.split_k, m, n, device=x.device, dtype=torch.float32)
+    kernel(x, w, workspace.permute(2, 1, 0))
+    # torch's CUDA sum reduces in a fixed order: deterministic run to run.
+    out.copy_(workspace.sum(dim=0))
