@@ -13,5 +13,5 @@ CORE_TORCH = "torch==2.13.0"
 def core(session: nox.Session) -> None:
     """The core package on the CPU: geometry, hooks, reference, dispatch, CLI, CuTe DSL compile checks."""
     session.install(CORE_TORCH)
-    session.install("-e", ".[test]", "nvidia-cutlass-dsl[cu13]>=4.8")
+    session.install("-e", ".[test,bench]", "nvidia-cutlass-dsl[cu13]>=4.8")
     session.run("pytest", *session.posargs)
