@@ -1,4 +1,7 @@
-"""Diagnostic: every plan step candidate of the autotuner at a few M (TP8), default tactics."""
+"""Diagnostic behind the QKVG default tactic: every plan-step candidate at a few M (TP8) for several QKVG tactics.
+
+Usage (GPU machine): python benchmarks/diag_overlap.py 1,16
+"""
 
 import sys
 
@@ -30,7 +33,3 @@ for name, tactic in variants.items():
         steps = [s for s in step_candidates(m) if s.qkvg == "cute" or name == "default"]
         res = sorted((time_step(weights, s, m) * 1e6, f"{'ovl' if s.overlap else 'seq'} {s.qkvg}/{s.fab}") for s in steps)
         print(f"{name} M={m}: " + "  ".join(f"{lbl} {t:.2f}" for t, lbl in res), flush=True)
-if False:
- for m in [int(v) for v in sys.argv[1].split(",")]:
-    res = sorted((time_step(weights, s, m) * 1e6, f"{'ovl' if s.overlap else 'seq'} {s.qkvg}/{s.fab}") for s in step_candidates(m))
-    print(f"M={m}: " + "  ".join(f"{lbl} {t:.2f}" for t, lbl in res), flush=True)

@@ -218,7 +218,7 @@ class SkinnyGemm:
         m_out_t: cute.Tensor,
         s_w_layout: cute.ComposedLayout,
         s_x_layout: cute.ComposedLayout,
-        g2s: cute.TiledCopy,
+        g2s_w: cute.TiledCopy,
         g2s_x: cute.TiledCopy,
         mma: cute.TiledMma,
     ):
@@ -243,9 +243,9 @@ class SkinnyGemm:
         s_w = smem.allocate_tensor(m_w.element_type, s_w_layout, 128)
         s_x = smem.allocate_tensor(m_x.element_type, s_x_layout, 128)
 
-        thr_g2s = g2s.get_slice(tidx)
-        t_gw = thr_g2s.partition_S(g_w)
-        t_sw = thr_g2s.partition_D(s_w)
+        thr_g2s_w = g2s_w.get_slice(tidx)
+        t_gw = thr_g2s_w.partition_S(g_w)
+        t_sw = thr_g2s_w.partition_D(s_w)
         thr_g2s_x = g2s_x.get_slice(tidx)
         t_gx = thr_g2s_x.partition_S(g_x)
         t_sx = thr_g2s_x.partition_D(s_x)
@@ -271,10 +271,10 @@ class SkinnyGemm:
         # both operands of K-tile s have landed.
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                cute.copy(g2s, t_gw[None, None, None, k_first + s], t_sw[None, None, None, s])
+                cute.copy(g2s_w, t_gw[None, None, None, k_first + s], t_sw[None, None, None, s])
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(t.pdl):
+            # Releasing the next kernel this early lets its weight prologue overlap our tail.
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
@@ -310,7 +310,7 @@ class SkinnyGemm:
             nxt = k_tile + t.stages - 1
             if nxt < k_tiles:
                 slot = nxt % t.stages
-                cute.copy(g2s, t_gw[None, None, None, k_first + nxt], t_sw[None, None, None, slot])
+                cute.copy(g2s_w, t_gw[None, None, None, k_first + nxt], t_sw[None, None, None, slot])
                 cute.copy(g2s_x, t_gx[None, None, None, k_first + nxt], t_sx[None, None, None, slot], pred=p_x)
             cute.arch.cp_async_commit_group()
             read = k_tile % t.stages
