@@ -2,7 +2,7 @@
 
 import nox
 
-nox.options.sessions = ["core"]
+nox.options.sessions = ["core", "vllm"]
 nox.options.reuse_venv = "yes"
 
 # The CPU build of torch: the engines pin their own torch in their sessions; the core only needs a floor.
@@ -15,3 +15,11 @@ def core(session: nox.Session) -> None:
     session.install(CORE_TORCH)
     session.install("-e", ".[test,bench]", "nvidia-cutlass-dsl[cu13]>=4.8")
     session.run("pytest", *session.posargs)
+
+
+@nox.session(python="3.11")
+def vllm(session: nox.Session) -> None:
+    """The vLLM adapter against the real vllm==0.33 on the CPU, in its own environment (vLLM pins torch)."""
+    session.install("vllm==0.33.0")
+    session.install("-e", ".[test]")
+    session.run("pytest", "tests/engines/test_vllm_adapter.py", *session.posargs)

@@ -27,11 +27,16 @@ class KDAProjection:
 
     :param weights: validated views (packed or split).
     :param plan: per-M choices; the default plan is sequential with automatic providers.
+    :param aux_stream: the stream the side chain forks onto (e.g. the engine's per-model aux stream); ``None``
+        asks the host through the ``kda_host_aux_stream`` hook.
     """
 
-    def __init__(self, weights: ProjectionWeights, plan: Plan | None = None) -> None:
+    def __init__(
+        self, weights: ProjectionWeights, plan: Plan | None = None, aux_stream: torch.cuda.Stream | None = None
+    ) -> None:
         self.weights = weights
         self.plan = plan or Plan()
+        self.aux_stream = aux_stream
         self._scheduler = OverlapScheduler()
         self._chosen: dict[tuple[str, int], GemmProvider] = {}
 
@@ -120,7 +125,7 @@ class KDAProjection:
             self._run("fb", fab[:, : g.head_dim], w.w_fb, g1)
 
         if step.overlap and x.device.type == "cuda" and hooks.fork_allowed(x.device):
-            self._scheduler.run(main, side, hooks.aux_stream(x.device))
+            self._scheduler.run(main, side, self.aux_stream or hooks.aux_stream(x.device))
         else:
             main()
             side()

@@ -1,0 +1,70 @@
+"""The seams kda-backend uses in vLLM 0.33 (see adapters/SEAMS.md for why each and what would remove it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kda_backend import hookimpl, register_plugin
+from kda_backend.log import get_logger
+
+HOST_PLUGIN_NAME = "vllm-host"
+
+
+class VllmHost:
+    """Answers the core's host hooks from vLLM's own state."""
+
+    @hookimpl
+    def kda_host_fork_allowed(self, device: torch.device) -> bool:
+        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+        # A breakable (piecewise) capture re-runs eager segments at replay: a fork there would not be joined.
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return capturing and not BreakableCUDAGraphCapture.is_active()
+
+    @hookimpl
+    def kda_host_aux_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        from vllm.utils.torch_utils import aux_stream
+
+        return aux_stream()
+
+    @hookimpl
+    def kda_autotune_cache_dir(self) -> Path:
+        import vllm.envs
+
+        return Path(vllm.envs.VLLM_CACHE_ROOT) / "kda_backend"
+
+    @hookimpl
+    def kda_share_plan(self, plan: dict[str, Any]) -> dict[str, Any] | None:
+        from vllm.distributed import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        group = parallel_state.get_tp_group()
+        return plan if group.world_size == 1 else group.broadcast_object(plan, src=0)
+
+
+def install() -> bool:
+    """Register the layer subclass through ``PluggableLayer.register_oot`` and the host plugin (both idempotent);
+    True if the layer was injected now, False if it already was or another plugin owns the seam."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
+    from vllm.platforms import current_platform
+
+    from kda_vllm.layer import KdaBackendKimiK3DeltaAttention
+
+    if current_platform.is_rocm():
+        # vLLM's AMD model has its own class of the same name; the registry is keyed by that name.
+        get_logger().info("vLLM on ROCm: kda-backend does not inject (CUDA only)")
+        return False
+    registered = op_registry_oot.get(KimiK3DeltaAttention.__name__)
+    if registered is not None and registered is not KdaBackendKimiK3DeltaAttention:
+        get_logger().warning("another plugin replaced KimiK3DeltaAttention (%s); kda-backend stays out", registered)
+        return False
+    register_plugin(VllmHost(), HOST_PLUGIN_NAME)
+    if registered is KdaBackendKimiK3DeltaAttention:
+        return False
+    KimiK3DeltaAttention.register_oot(KdaBackendKimiK3DeltaAttention)
+    return True
