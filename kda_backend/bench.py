@@ -58,7 +58,7 @@ def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, int | 
     if provider == "cute":
         cute = dispatch.provider_by_name("cute")
         proj = KDAProjection(weights[0])
-        tactic = cute.tactic(proj._call(role, m))
+        tactic = cute.tactic(proj.gemm_call(role, m))
         ctas = (n // tactic.block_n) * -(-m // tactic.block_t) * tactic.split_k
 
         def run(i: int) -> None:

@@ -44,10 +44,6 @@ class KDAProjection:
     def geometry(self) -> KDAGeometry:
         return self.weights.geometry
 
-    def set_plan(self, plan: Plan) -> None:
-        self.plan = plan
-        self._chosen.clear()
-
     def validate_input(self, x: torch.Tensor) -> None:
         """Raise ``ValueError`` naming what is wrong with ``x`` (before anything is launched)."""
         w = self.weights
@@ -66,10 +62,19 @@ class KDAProjection:
         """The provider serving ``role`` at ``m`` tokens (selected once per (role, M), then cached)."""
         key = (role, m)
         if key not in self._chosen:
-            call = self._call(role, m)
+            call = self.gemm_call(role, m)
             name = self.plan.step(m).provider(role)
-            provider = dispatch.select(call, forced=None if name == AUTO else name)
-            provider.prepare(call)
+            forced = None if name == AUTO else name
+            while True:
+                provider = dispatch.select(call, forced=forced)
+                try:
+                    provider.prepare(call)
+                    break
+                except Exception as exc:
+                    # A kernel that cannot compile must not take serving down: the next provider serves.
+                    if forced is not None or dispatch.is_forced(role) or provider.name == "torch":
+                        raise
+                    dispatch.mark_broken(provider, f"prepare failed: {type(exc).__name__}: {exc}")
             self._chosen[key] = provider
         return self._chosen[key]
 
@@ -150,7 +155,7 @@ class KDAProjection:
             and self.provider("fab", m).name == "torch"
         )
 
-    def _call(self, role: str, m: int) -> GemmCall:
+    def gemm_call(self, role: str, m: int) -> GemmCall:
         """The GEMM ``role`` performs at ``m`` tokens, with the strides the real operands will have."""
         g, w = self.geometry, self.weights
         weight = {"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}[role]

@@ -199,7 +199,7 @@ def test_plan_forced_provider_and_overlap_step_runs_sequentially_on_cpu():
 
 def test_gemm_call_fields_for_fb_are_strided():
     proj = KDAProjection(_weights(TINY))
-    call = proj._call("fb", 3)
+    call = proj.gemm_call("fb", 3)
     assert call == GemmCall(
         role="fb", m=3, n=TINY.local_width, k=TINY.head_dim, dtype=torch.bfloat16, device_type="cpu",
         capability=None, x_row_stride=TINY.fab_rows, w_row_stride=TINY.head_dim,
@@ -232,3 +232,33 @@ def test_bad_output_buffers_named(which, buf, match):
     args[which] = buf
     with pytest.raises(ValueError, match=match):
         proj(torch.randn(3, TINY.hidden_size).bfloat16(), *args)
+
+
+def test_provider_that_fails_to_compile_falls_back_with_one_warning(kda_log):
+    class NoCompile(_Picky):
+        def why_not(self, call):
+            return None
+
+        def prepare(self, call):
+            raise RuntimeError("ptxas died")
+
+    register_plugin(_Plugin(NoCompile()), "nocompile")
+    proj = KDAProjection(_weights(TINY))
+    _check_against_reference(proj, torch.randn(2, TINY.hidden_size).bfloat16())
+    assert proj.provider("qkvg", 2).name == "torch"
+    assert dispatch.broken_reason("picky") == "prepare failed: RuntimeError: ptxas died"
+    assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
+
+
+def test_forced_provider_that_fails_to_compile_raises(monkeypatch):
+    class NoCompile(_Picky):
+        def why_not(self, call):
+            return None
+
+        def prepare(self, call):
+            raise RuntimeError("ptxas died")
+
+    register_plugin(_Plugin(NoCompile()), "nocompile")
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "picky")
+    with pytest.raises(RuntimeError, match="ptxas died"):
+        KDAProjection(_weights(TINY))(torch.randn(2, TINY.hidden_size).bfloat16())
