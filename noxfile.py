@@ -2,7 +2,7 @@
 
 import nox
 
-nox.options.sessions = ["core", "vllm"]
+nox.options.sessions = ["core", "vllm", "sglang"]
 nox.options.reuse_venv = "yes"
 
 # The CPU build of torch: the engines pin their own torch in their sessions; the core only needs a floor.
@@ -23,3 +23,11 @@ def vllm(session: nox.Session) -> None:
     session.install("vllm==0.33.0")
     session.install("-e", ".[test]")
     session.run("pytest", "tests/engines/test_vllm_adapter.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def sglang(session: nox.Session) -> None:
+    """The SGLang adapter against the real sglang==0.5.23 on the CPU, in its own environment (SGLang pins torch)."""
+    session.install("sglang==0.5.23")
+    session.install("-e", ".[test]")
+    session.run("pytest", "tests/engines/test_sglang_adapter.py", *session.posargs)
