@@ -2,7 +2,7 @@
 
 import nox
 
-nox.options.sessions = ["core", "vllm", "sglang"]
+nox.options.sessions = ["core", "vllm", "sglang", "parity"]
 nox.options.reuse_venv = "yes"
 
 # The CPU build of torch: the engines pin their own torch in their sessions; the core only needs a floor.
@@ -31,3 +31,11 @@ def sglang(session: nox.Session) -> None:
     session.install("sglang==0.5.23")
     session.install("-e", ".[test]")
     session.run("pytest", "tests/engines/test_sglang_adapter.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def parity(session: nox.Session) -> None:
+    """Cross-engine parity: compares what the `vllm` and `sglang` sessions wrote with the core (run them first)."""
+    session.install(CORE_TORCH)
+    session.install("-e", ".[test]")
+    session.run("pytest", "tests/engines/test_cross_engine_parity.py", "-s", *session.posargs)

@@ -213,3 +213,41 @@ def test_full_attention_delegate_per_platform():
     assert full_attention_backend_name((9, 0)) == "fa3"
     assert full_attention_backend_name((10, 0)) == "trtllm_mla"
     assert full_attention_backend_name(None) == "triton"
+
+
+SGLANG_QKVG_SHARD_IDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "g_proj": 3}
+
+
+def test_parity_artifact_through_sglang_loaders(kda_backend_selected, tmp_path):
+    """Load the synthetic checkpoint through SGLang's weight loaders and ``_merge_bfa_weights`` and write the
+    adapter's projections for the cross-engine comparison (tests/engines/test_cross_engine_parity.py)."""
+    from parity.checkpoint import (
+        PARITY_MS, PREFIX, TINY, artifacts_dir, checksums, load_checkpoint, make_checkpoint, parity_input,
+    )
+
+    import sglang.srt.models.kimi_k3 as kimi_k3
+
+    assert (HIDDEN, HEADS, HEAD_DIM) == (TINY.hidden_size, TINY.num_heads, TINY.head_dim)
+    make_checkpoint(tmp_path / "model.safetensors")
+    tensors = load_checkpoint(tmp_path / "model.safetensors")
+    layer = _build_layer(merge=False)
+    qkvg = layer.fused_qkvg_proj.weight
+    for name, shard_id in SGLANG_QKVG_SHARD_IDS.items():
+        qkvg.weight_loader(qkvg, tensors[f"{PREFIX}.{name}.weight"], shard_id)
+    for name in ("f_a_proj", "b_proj", "f_b_proj"):
+        param = getattr(layer, name).weight
+        param.weight_loader(param, tensors[f"{PREFIX}.{name}.weight"])
+    layer._merge_bfa_weights()
+    outputs = {}
+    for m in PARITY_MS:
+        x = parity_input(m, HIDDEN)
+        qkv, beta, forget_gate, g_proj = layer.forward_qkvbfg_fused(x)
+        native = kimi_k3.KimiK3DeltaAttention.__mro__[1].forward_qkvbfg_fused(layer, x)
+        assert all(torch.equal(a, b) for a, b in zip((qkv, beta, forget_gate, g_proj), native))
+        outputs[m] = [torch.cat([qkv, g_proj], dim=-1), forget_gate.clone(), beta.clone()]
+    w = layer._kda_projection.weights
+    g = w.geometry
+    loaded = {"qkvg": w.w_qkvg, "fab": w.w_fab[: g.fab_rows_used], "fb": w.w_fb}
+    folder = artifacts_dir()
+    folder.mkdir(exist_ok=True)
+    torch.save({"engine": "sglang", "outputs": outputs, "checksums": checksums(loaded)}, folder / "sglang.pt")

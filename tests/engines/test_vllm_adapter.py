@@ -220,3 +220,35 @@ def test_cache_dir_under_vllm_cache_root(injected, monkeypatch, tmp_path):
 def test_plan_shared_from_rank0_on_one_rank(injected):
     plan = {"plan": {"steps": {}}, "tactics": []}
     assert plugins.hooks.share_plan(plan) == plan
+
+
+VLLM_SHARD_IDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "g_proj": 3, "f_a_proj": 4, "b_proj": 5}
+
+
+def test_parity_artifact_through_vllm_loaders(injected, vllm_env, tmp_path):
+    """Load the synthetic checkpoint through vLLM's weight loaders (its shard ids, the replicated f_a shard) and
+    write the adapter's projections for the cross-engine comparison (tests/engines/test_cross_engine_parity.py)."""
+    from parity.checkpoint import (
+        PARITY_MS, PREFIX, TINY, artifacts_dir, checksums, load_checkpoint, make_checkpoint, parity_input,
+    )
+
+    assert (HIDDEN, HEADS, HEAD_DIM) == (TINY.hidden_size, TINY.num_heads, TINY.head_dim)
+    make_checkpoint(tmp_path / "model.safetensors")
+    tensors = load_checkpoint(tmp_path / "model.safetensors")
+    layer = _build_layer(vllm_env)
+    packed = layer.in_proj_qkvgfab.weight
+    for name, shard_id in VLLM_SHARD_IDS.items():
+        packed.weight_loader(packed, tensors[f"{PREFIX}.{name}.weight"], shard_id)
+    layer.f_b_proj.weight.weight_loader(layer.f_b_proj.weight, tensors[f"{PREFIX}.f_b_proj.weight"])
+    w = layer.kda_projection().weights
+    g = w.geometry
+    outputs = {}
+    for m in PARITY_MS:
+        x = parity_input(m, HIDDEN)
+        ours = layer.kda_projection()(x)
+        assert all(torch.equal(a, b) for a, b in zip(ours, _vllm_projection(layer, x)))
+        outputs[m] = [t.clone() for t in ours]
+    loaded = {"qkvg": w.w_qkvg, "fab": w.w_fab[: g.fab_rows_used], "fb": w.w_fb}
+    folder = artifacts_dir()
+    folder.mkdir(exist_ok=True)
+    torch.save({"engine": "vllm", "outputs": outputs, "checksums": checksums(loaded)}, folder / "vllm.pt")
