@@ -109,3 +109,28 @@ def test_plot_from_results(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 1000
     table = render_table(results)
     assert "1.289" in table and "1.119" in table  # seq/ours and cuBLAS/cute
+
+
+def test_adapter_gate(monkeypatch, kda_log):
+    from kda_backend.engine_gate import adapter_enabled
+
+    assert adapter_enabled("pluggy", "1.")
+    assert not adapter_enabled("pluggy", "0.0.")
+    assert any("untested" in m for m in kda_log.messages())
+    monkeypatch.setenv("KDA_BACKEND_FORCE_ENGINE_VERSION", "1")
+    assert adapter_enabled("pluggy", "0.0.")
+    monkeypatch.setenv("KDA_BACKEND_DISABLE", "1")
+    assert not adapter_enabled("pluggy", "1.")
+
+
+def test_broadcast_from_rank0():
+    from types import SimpleNamespace
+
+    from kda_backend.engine_gate import broadcast_from_rank0
+
+    plan = {"plan": 1}
+    off = SimpleNamespace(model_parallel_is_initialized=lambda: False)
+    assert broadcast_from_rank0(off, plan) is None
+    group = SimpleNamespace(world_size=4, broadcast_object=lambda obj, src: {"from": src, **obj})
+    on = SimpleNamespace(model_parallel_is_initialized=lambda: True, get_tp_group=lambda: group)
+    assert broadcast_from_rank0(on, plan) == {"from": 0, "plan": 1}

@@ -234,15 +234,16 @@ def test_bad_output_buffers_named(which, buf, match):
         proj(torch.randn(3, TINY.hidden_size).bfloat16(), *args)
 
 
+class _NoCompile(_Picky):
+    def why_not(self, call):
+        return None
+
+    def prepare(self, call):
+        raise RuntimeError("ptxas died")
+
+
 def test_provider_that_fails_to_compile_falls_back_with_one_warning(kda_log):
-    class NoCompile(_Picky):
-        def why_not(self, call):
-            return None
-
-        def prepare(self, call):
-            raise RuntimeError("ptxas died")
-
-    register_plugin(_Plugin(NoCompile()), "nocompile")
+    register_plugin(_Plugin(_NoCompile()), "nocompile")
     proj = KDAProjection(_weights(TINY))
     _check_against_reference(proj, torch.randn(2, TINY.hidden_size).bfloat16())
     assert proj.provider("qkvg", 2).name == "torch"
@@ -251,14 +252,7 @@ def test_provider_that_fails_to_compile_falls_back_with_one_warning(kda_log):
 
 
 def test_forced_provider_that_fails_to_compile_raises(monkeypatch):
-    class NoCompile(_Picky):
-        def why_not(self, call):
-            return None
-
-        def prepare(self, call):
-            raise RuntimeError("ptxas died")
-
-    register_plugin(_Plugin(NoCompile()), "nocompile")
+    register_plugin(_Plugin(_NoCompile()), "nocompile")
     monkeypatch.setenv("KDA_BACKEND_PROVIDER", "picky")
     with pytest.raises(RuntimeError, match="ptxas died"):
         KDAProjection(_weights(TINY))(torch.randn(2, TINY.hidden_size).bfloat16())

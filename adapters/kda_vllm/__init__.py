@@ -10,23 +10,13 @@ TESTED_VERSION_PREFIX = "0.33."
 
 def register() -> None:
     """Inject the overlapped KimiK3DeltaAttention unless disabled or on an untested vLLM version."""
-    import importlib.metadata
+    from kda_backend.engine_gate import adapter_enabled
 
-    from kda_backend import env
-    from kda_backend.log import get_logger
-
-    log = get_logger()
-    if env.flag("KDA_BACKEND_DISABLE"):
-        log.info("vLLM plugin disabled by KDA_BACKEND_DISABLE")
-        return
-    version = importlib.metadata.version("vllm")
-    if not version.startswith(TESTED_VERSION_PREFIX) and not env.flag("KDA_BACKEND_FORCE_ENGINE_VERSION"):
-        log.warning(
-            "vLLM %s is untested (tested: %sx); not injecting (KDA_BACKEND_FORCE_ENGINE_VERSION=1 forces it)",
-            version, TESTED_VERSION_PREFIX,
-        )
+    if not adapter_enabled("vllm", TESTED_VERSION_PREFIX):
         return
     from kda_vllm.injection import install
 
     if install():
-        log.info("vLLM %s: Kimi-K3 KDA layers use kda-backend's projection stage", version)
+        from kda_backend.log import get_logger
+
+        get_logger().info("vLLM: Kimi-K3 KDA layers use kda-backend's projection stage")

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kda_backend import hookimpl, register_plugin
+from kda_backend.engine_gate import broadcast_from_rank0
 from kda_backend.log import get_logger
 
 HOST_PLUGIN_NAME = "vllm-host"
@@ -40,10 +41,7 @@ class VllmHost:
     def kda_share_plan(self, plan: dict[str, Any]) -> dict[str, Any] | None:
         from vllm.distributed import parallel_state
 
-        if not parallel_state.model_parallel_is_initialized():
-            return None
-        group = parallel_state.get_tp_group()
-        return plan if group.world_size == 1 else group.broadcast_object(plan, src=0)
+        return broadcast_from_rank0(parallel_state, plan)
 
 
 def install() -> bool:

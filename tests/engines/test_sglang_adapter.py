@@ -5,7 +5,6 @@ model code from a tiny Kimi-K3-shaped config on a one-rank gloo group (SGLang's 
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,15 +13,11 @@ import torch
 
 sglang = pytest.importorskip("sglang")
 
+from engine_helpers import free_port  # noqa: E402
+
 from kda_backend import plugins  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM = 256, 8, 32
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +26,7 @@ def loaded():
     from sglang.srt.plugins import load_plugins
     from sglang.test.layer_ut_utils import init_single_process_dist
 
-    init_single_process_dist(master_port=_free_port())
+    init_single_process_dist(master_port=free_port())
     load_plugins()
 
 

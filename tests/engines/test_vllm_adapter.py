@@ -5,7 +5,6 @@ from a tiny Kimi-K3-shaped config on a one-rank gloo group, as vLLM's CPU tests 
 """
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -16,15 +15,11 @@ vllm = pytest.importorskip("vllm")
 
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 
+from engine_helpers import free_port  # noqa: E402
+
 from kda_backend import plugins  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM = 256, 8, 32
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ def vllm_env(tmp_path_factory):
     with set_current_vllm_config(vc):
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
         )
         initialize_model_parallel(1)
         yield vc
