@@ -20,6 +20,9 @@ from kda_backend.plugins import hooks
 
 FORCED_MAX_M = 256
 
+# Every layer of a model asks for the same plan: resolve (and broadcast) it once per process and key.
+_resolved: dict[tuple, Plan] = {}
+
 
 def forced_plan() -> tuple[Plan, TacticTable] | None:
     """The plan ``KDA_BACKEND_PLAN`` names, if any."""
@@ -37,7 +40,15 @@ def forced_plan() -> tuple[Plan, TacticTable] | None:
 
 
 def resolve_plan(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Plan:
-    """The plan for one rank's projection on ``device`` (installs tuned CuTe tactics as a side effect)."""
+    """The plan for one rank's projection on ``device`` (installs tuned CuTe tactics as a side effect); resolved
+    once per process for each geometry, device, dtype, forced plan and cache folder."""
+    key = (geometry, str(device), dtype, env.get("KDA_BACKEND_PLAN"), str(hooks.cache_dir()))
+    if key not in _resolved:
+        _resolved[key] = _resolve(geometry, device, dtype)
+    return _resolved[key]
+
+
+def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype) -> Plan:
     from kda_backend.autotune import autotune, install_tactics
 
     found = forced_plan()

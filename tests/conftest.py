@@ -18,10 +18,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def fresh_plugins(monkeypatch):
-    """Every test starts with a freshly built plugin manager and no broken providers or once-warnings."""
-    from kda_backend import dispatch, log
+    """Every test starts with a freshly built plugin manager, no broken providers, once-warnings or resolved plans."""
+    from kda_backend import dispatch, log, planning
 
     monkeypatch.setattr(dispatch, "_broken", {})
+    monkeypatch.setattr(planning, "_resolved", {})
     monkeypatch.setattr(log, "_warned", set())
     plugins.reset_plugin_manager()
     yield

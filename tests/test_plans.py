@@ -129,6 +129,27 @@ def test_resolve_hit_installs_tactics(tmp_path, monkeypatch):
     assert dispatch.provider_by_name("cute")._tactics[("qkvg", 6144, 7168, 16)] == TACTICS[("qkvg", 6144, 7168, 16)]
 
 
+def test_resolve_once_per_key(tmp_path, monkeypatch):
+    """69 layers ask for one plan: it is loaded (and broadcast across ranks) once."""
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    key = plan_store.plan_key(G, "Fake GPU", (9, 0), torch.bfloat16)
+    monkeypatch.setattr(plan_store, "device_key", lambda g, d, t: key)
+    plan_store.save(key, PLAN, TACTICS)
+    shares = []
+
+    class Counting:
+        @hookimpl
+        def kda_share_plan(self, plan):
+            shares.append(plan)
+            return plan
+
+    register_plugin(Counting(), "counting")
+    plans = [resolve_plan(G, torch.device("cuda", 0)) for _ in range(5)]
+    assert all(p == PLAN for p in plans) and len(shares) == 1
+    monkeypatch.setenv("KDA_BACKEND_PLAN", "overlap")
+    assert resolve_plan(G, torch.device("cuda", 0)).source == "env:overlap" and len(shares) == 2
+
+
 def test_share_passes_through_host_hook():
     class Rank0:
         @hookimpl
