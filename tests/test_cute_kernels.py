@@ -1,5 +1,6 @@
 """CuTe DSL skinny GEMM: tactics, provider selection and compilation for every target architecture on the CPU."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -154,3 +155,65 @@ def test_split_k_kernel_compiles(arch):
     tactic = Tactic(block_n=16, block_k=128, block_t=16, stages=2, split_k=14)
     assert validate_tactic(tactic, n, k, xs) is None
     assert compile_gemm(KernelKey(tactic, n, k, xs, k, arch)) is not None
+
+
+def _small_key():
+    n, k, xs = _roles(8)["fb"]
+    return KernelKey(default_tactic(n, k, 1), n, k, xs, k, "sm_90a")
+
+
+@pytest.fixture
+def kernel_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    return tmp_path / "kernels"
+
+
+def test_compiled_kernel_is_reused_from_disk(kernel_cache, monkeypatch):
+    from kda_backend.kernels import compile_cache
+
+    key = _small_key()
+    assert compile_cache.CompiledGemms().get(key) is not None
+    files = list(kernel_cache.glob("*.o"))
+    assert [f.name for f in files] == [f"kda_gemm_{compile_cache.fingerprint(key)}.o"]
+
+    def no_compiler(key):
+        raise AssertionError("a kernel on disk must not be compiled again")
+
+    monkeypatch.setattr(compile_cache, "compile_gemm", no_compiler)
+    fresh = compile_cache.CompiledGemms()  # as in a new process
+    assert callable(fresh.get(key)) and key in fresh
+
+
+def test_fingerprint_covers_key_and_toolchain(monkeypatch):
+    from kda_backend.kernels import compile_cache
+
+    key = _small_key()
+    first = compile_cache.fingerprint(key)
+    assert compile_cache.fingerprint(key) == first
+    assert compile_cache.fingerprint(dataclasses.replace(key, arch="sm_100a")) != first
+    assert compile_cache.fingerprint(dataclasses.replace(key, tactic=Tactic(block_n=16, stages=3))) != first
+    monkeypatch.setattr(compile_cache.importlib.metadata, "version", lambda package: "0.0-other")
+    assert compile_cache.fingerprint(key) != first
+
+
+def test_unreadable_kernel_file_is_recompiled_with_one_warning(kernel_cache, kda_log):
+    from kda_backend.kernels import compile_cache
+
+    key = _small_key()
+    path = kernel_cache / f"kda_gemm_{compile_cache.fingerprint(key)}.o"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF truncated")
+    assert compile_cache.CompiledGemms().get(key) is not None
+    assert sum("unreadable compiled kernel" in m for m in kda_log.messages()) == 1
+    assert path.stat().st_size > 1000  # replaced by a good export
+    assert compile_cache.load_exported(path, path.stem) is not None
+
+
+def test_unwritable_kernel_cache_still_serves(kernel_cache, kda_log, monkeypatch):
+    from kda_backend.kernels import compile_cache
+
+    kernel_cache.parent.mkdir(parents=True, exist_ok=True)
+    kernel_cache.write_text("a file where the folder should be")
+    assert compile_cache.CompiledGemms().get(_small_key()) is not None
+    assert any("cannot write compiled kernels" in m for m in kda_log.messages())

@@ -53,3 +53,27 @@ def test_split_k_matches_reference_and_is_deterministic(split_k, m):
     assert not outs[0].isnan().any()
     assert ((outs[0].float() - ref).norm() / ref.norm()).item() <= 1e-2
     assert torch.equal(outs[0], outs[1])
+
+
+def test_kernel_loaded_from_disk_equals_freshly_compiled(monkeypatch, tmp_path):
+    """The exported object file (what the next process loads) computes exactly what the compiled kernel does."""
+    from kda_backend.kernels import compile_cache
+    from kda_backend.kernels.skinny_gemm import default_tactic
+
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    g = preset("kimi-k3", 8)
+    n, k = g.qkvg_rows, g.hidden_size
+    key = compile_cache.kernel_key(default_tactic(n, k, 16), n, k, k, k, torch.device("cuda"))
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    outs = []
+    for _ in range(2):  # first: compiled and exported; second: a fresh cache, as in a new process, loads it
+        cache = compile_cache.CompiledGemms()
+        out = torch.full((16, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        cache.get(key)(x, w, out.t())
+        outs.append(out)
+        assert len(list((tmp_path / "kernels").glob("*.o"))) == 1
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    ref = x.float() @ w.float().t()
+    assert ((outs[1].float() - ref).norm() / ref.norm()).item() <= 1e-2

@@ -5,6 +5,10 @@ tactic's grid) and the TVM-FFI calling convention, which takes torch tensors dir
 current stream, so a call costs microseconds and works inside CUDA-graph capture. Compiling inside a capture is
 refused: :meth:`CompiledGemms.get` must have run for the key beforehand (``KDAProjection.prepare``).
 
+Compiled kernels are cached in memory and on disk (``<cache dir>/kernels/<fingerprint>.o``, exported object
+files that load in milliseconds instead of compiling in seconds). The fingerprint covers the kernel source, the
+key and the toolchain versions, so a changed kernel or toolchain never loads a stale binary.
+
 On a machine without a GPU, ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``) selects the target, so CI compiles every
 kernel for every architecture.
 """
@@ -12,13 +16,19 @@ kernel for every architecture.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
 import os
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from kda_backend.kernels import skinny_gemm
 from kda_backend.kernels.skinny_gemm import SkinnyGemm, Tactic
+from kda_backend.log import warn_once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +41,11 @@ class KernelKey:
     x_row_stride: int
     w_row_stride: int
     arch: str
+
+
+def kernel_key(tactic: Tactic, n: int, k: int, x_row_stride: int, w_row_stride: int, device: torch.device) -> KernelKey:
+    """The key of the kernel computing ``x[M, K] @ w[N, K].T`` with these row strides on ``device``."""
+    return KernelKey(tactic, n, k, x_row_stride, w_row_stride, target_arch(device))
 
 
 def target_arch(device: torch.device | None = None) -> str:
@@ -65,8 +80,51 @@ def compile_gemm(key: KernelKey) -> Any:
     return cute.compile(gemm, x, w, out_t, stream, options=f"--enable-tvm-ffi --gpu-arch {key.arch}")
 
 
+TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
+
+
+def fingerprint(key: KernelKey) -> str:
+    """Name of ``key``'s binary on disk: a hash of the kernel and compile sources, the key and the toolchain."""
+    digest = hashlib.sha256()
+    for source in (skinny_gemm.__file__, __file__):
+        digest.update(Path(source).read_bytes())
+    digest.update(repr(key).encode())
+    for package in TOOLCHAIN_PACKAGES:
+        try:
+            digest.update(f"{package}=={importlib.metadata.version(package)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            digest.update(f"{package} (no metadata)".encode())
+    return digest.hexdigest()[:32]
+
+
+def kernel_dir() -> Path:
+    from kda_backend.plugins import hooks  # the plugin manager imports the providers, which import this module
+
+    return hooks.cache_dir() / "kernels"
+
+
+def load_exported(path: Path, symbol: str) -> Any:
+    """The TVM-FFI function ``symbol`` of an exported object file."""
+    import cutlass.cute as cute
+
+    return cute.runtime.load_module(str(path), enable_tvm_ffi=True)[symbol]
+
+
+def export(kernel: Any, path: Path, symbol: str) -> None:
+    """Write ``kernel`` as an object file at ``path`` atomically (concurrent ranks may export the same key)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".o.tmp")
+    os.close(fd)
+    try:
+        kernel.export_to_c(tmp, function_name=symbol)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 class CompiledGemms:
-    """Process-wide in-memory cache of compiled kernels."""
+    """Process-wide cache of compiled kernels: memory, then the on-disk object files, then the compiler."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -79,9 +137,25 @@ class CompiledGemms:
             return kernel
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kernel {key} was not compiled before CUDA-graph capture; call prepare() first")
-        kernel = compile_gemm(key)
+        kernel = self._from_disk_or_compile(key)
         with self._lock:
             return self._kernels.setdefault(key, kernel)
+
+    @staticmethod
+    def _from_disk_or_compile(key: KernelKey) -> Any:
+        symbol = f"kda_gemm_{fingerprint(key)}"
+        path = kernel_dir() / f"{symbol}.o"
+        if path.exists():
+            try:
+                return load_exported(path, symbol)
+            except Exception as exc:  # a truncated or foreign file: recompile and overwrite it
+                warn_once(f"kernel-load:{path}", f"ignoring unreadable compiled kernel {path}: {exc}")
+        kernel = compile_gemm(key)
+        try:
+            export(kernel, path, symbol)
+        except Exception as exc:  # a read-only cache only costs the next process a compile
+            warn_once(f"kernel-export:{path.parent}", f"cannot write compiled kernels to {path.parent}: {exc}")
+        return kernel
 
     def __contains__(self, key: KernelKey) -> bool:
         return key in self._kernels

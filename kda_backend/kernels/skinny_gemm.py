@@ -25,7 +25,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils
+import cutlass.memory
 
 MMA_SHAPE = (16, 8, 16)  # mma.sync m16n8k16 for bf16
 COPY_BITS = 128  # cp.async 16-byte vectors
@@ -239,7 +239,7 @@ class SkinnyGemm:
         c_x = cute.local_tile(cute.make_identity_tensor(m_x.shape), (t.block_t, t.block_k), (bidy, None))
         c_o = cute.local_tile(cute.make_identity_tensor(m_out.shape), (t.block_n, t.block_t), (bidx, bidy))
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         s_w = smem.allocate_tensor(m_w.element_type, s_w_layout, 128)
         s_x = smem.allocate_tensor(m_x.element_type, s_x_layout, 128)
 

@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from kda_backend.kernels.compile_cache import KernelKey, compiled_gemms, target_arch
+from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, validate_tactic
 from kda_backend.providers.base import GemmCall, GemmProvider
 
@@ -52,11 +52,11 @@ class CuteDslProvider(GemmProvider):
             return f"N={call.n} must be a multiple of 16 and K={call.k} of 64"
         return validate_tactic(self.tactic(call), call.n, call.k, call.x_row_stride)
 
-    def _key(self, call: GemmCall, device: torch.device) -> KernelKey:
-        return KernelKey(self.tactic(call), call.n, call.k, call.x_row_stride, call.w_row_stride, target_arch(device))
-
     def prepare(self, call: GemmCall) -> None:
-        compiled_gemms.get(self._key(call, torch.device("cuda", torch.cuda.current_device())))
+        device = torch.device("cuda", torch.cuda.current_device())
+        compiled_gemms.get(
+            kernel_key(self.tactic(call), call.n, call.k, call.x_row_stride, call.w_row_stride, device)
+        )
 
     def run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         for name, t in (("x", x), ("w", w), ("out", out)):
@@ -71,8 +71,7 @@ class CuteDslProvider(GemmProvider):
 def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """``out[M, N] = x @ w.T`` with one tactic (compiled on first use; never inside a capture)."""
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    key = KernelKey(tactic, n, k, x.stride(0), w.stride(0), target_arch(x.device))
-    kernel = compiled_gemms.get(key)
+    kernel = compiled_gemms.get(kernel_key(tactic, n, k, x.stride(0), w.stride(0), x.device))
     if tactic.split_k == 1:
         kernel(x, w, out.t())
         return

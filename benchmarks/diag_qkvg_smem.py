@@ -1,0 +1,50 @@
+"""Diagnostic behind the QKVG default tactic: shared memory per QKVG CTA vs the overlapped stage (TP8).
+
+The SM's shared-memory carveout is sized for the first kernel's occupancy: 64 KB CTAs (3 per SM) get a 196 KB
+configuration that leaves no room for the side chain's CTAs, while CTAs small enough for 4 per SM get 228 KB
+(or 196 KB with 48 KB CTAs) and leave space beside the ~3 that are resident. Weight bytes in flight per CTA are
+(stages - 1) * block_n * block_k * 2, so deeper rings of smaller K-tiles keep the bandwidth of the 64 KB tactic.
+
+Usage (GPU machine): python benchmarks/diag_qkvg_smem.py 1,16 one-warp,wide
+"""
+
+import sys
+
+import torch
+
+from kda_backend import dispatch
+from kda_backend.autotune import OVERLAP_CUTE, make_weight_copies, time_step
+from kda_backend.geometry import preset
+from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.plan import Step
+from kda_backend.providers.cute_provider import launch
+from kda_backend.timing import graph_time_per_layer
+
+g = preset("kimi-k3", 8)
+weights = make_weight_copies(g, torch.device("cuda"))
+cute = dispatch.provider_by_name("cute")
+sequential = Step(overlap=False, qkvg="cute", fab="cute", fb="cute")
+seq_torch = Step(overlap=False, qkvg="torch", fab="torch", fb="torch")
+ms = [int(v) for v in sys.argv[1].split(",")]
+for m in ms:
+    print(f"M={m:2}: sequential cuBLAS {time_step(weights, seq_torch, m) * 1e6:6.2f} us", flush=True)
+TACTICS = {
+    "one-warp": [Tactic(16, 256, 16, 4), Tactic(16, 128, 16, 4), Tactic(16, 128, 16, 6), Tactic(16, 128, 16, 7),
+                 Tactic(16, 64, 16, 14)],
+    "wide": [Tactic(32, 256, 16, 3), Tactic(32, 128, 16, 6), Tactic(32, 256, 16, 2), Tactic(64, 256, 16, 2),
+             Tactic(32, 512, 16, 2), Tactic(64, 128, 16, 4)],
+}
+tactics = [t for group in sys.argv[2].split(",") for t in TACTICS[group]]
+for tactic in tactics:
+    cute.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): tactic})
+    for m in ms:
+        try:
+            ovl = time_step(weights, OVERLAP_CUTE, m) * 1e6
+            seq = time_step(weights, sequential, m) * 1e6
+            xs = [torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in weights]
+            outs = [torch.empty(m, g.qkvg_rows, device="cuda", dtype=torch.bfloat16) for _ in weights]
+            alone = graph_time_per_layer(lambda i: launch(tactic, xs[i % 6], weights[i % 6].w_qkvg, outs[i % 6])) * 1e6
+            print(f"qkvg={tactic.key():14} smem={tactic.smem_bytes() // 1024:3} KB M={m:2}: overlapped {ovl:6.2f} "
+                  f"sequential {seq:6.2f} qkvg alone {alone:6.2f} us", flush=True)
+        except Exception as exc:
+            print(f"{tactic.key()} M={m}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
