@@ -1,11 +1,12 @@
-"""Diagnostic behind the QKVG default tactic: shared memory per QKVG CTA vs the overlapped stage (TP8).
+"""Diagnostic behind the QKVG default tactic and ``compile_cache.SMEM_CARVEOUT_PERCENT``: shared memory per QKVG
+CTA vs the overlapped stage (TP8), QKVG alone, and the same kernels in sequence.
 
-The SM's shared-memory carveout is sized for the first kernel's occupancy: 64 KB CTAs (3 per SM) get a 196 KB
-configuration that leaves no room for the side chain's CTAs, while CTAs small enough for 4 per SM get 228 KB
-(or 196 KB with 48 KB CTAs) and leave space beside the ~3 that are resident. Weight bytes in flight per CTA are
-(stages - 1) * block_n * block_k * 2, so deeper rings of smaller K-tiles keep the bandwidth of the 64 KB tactic.
+Without a carveout preference the driver sizes each SM's L1/shared split for the first kernel's occupancy, so some
+QKVG CTA sizes leave no room for the side chain's CTAs and the overlap serializes. Every launch now carries the
+maximum carveout; the "before" rows in benchmarks/RESULTS.md (2026-11-30) were measured at commit d610c6e, before
+that attribute. ``prefer-shared`` sets the process-wide preference instead (the probe that confirmed the cause).
 
-Usage (GPU machine): python benchmarks/diag_qkvg_smem.py 1,16 one-warp,wide
+Usage (GPU machine): python benchmarks/diag_qkvg_smem.py 1,16 one-warp,wide,probe [prefer-shared]
 """
 
 import sys
@@ -20,6 +21,13 @@ from kda_backend.plan import Step
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
 
+if len(sys.argv) > 3 and sys.argv[3] == "prefer-shared":
+    # Context-wide L1/shared preference (a probe of the carveout explanation, not something the package does).
+    from cuda.bindings import runtime as cudart
+
+    torch.cuda.init()
+    print("cudaDeviceSetCacheConfig(PreferShared):", cudart.cudaDeviceSetCacheConfig(
+        cudart.cudaFuncCache.cudaFuncCachePreferShared))
 g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
 cute = dispatch.provider_by_name("cute")
@@ -31,6 +39,7 @@ for m in ms:
 TACTICS = {
     "one-warp": [Tactic(16, 256, 16, 4), Tactic(16, 128, 16, 4), Tactic(16, 128, 16, 6), Tactic(16, 128, 16, 7),
                  Tactic(16, 64, 16, 14)],
+    "probe": [Tactic(16, 256, 16, 4), Tactic(16, 128, 16, 4), Tactic(16, 128, 16, 6)],
     "wide": [Tactic(32, 256, 16, 3), Tactic(32, 128, 16, 6), Tactic(32, 256, 16, 2), Tactic(64, 256, 16, 2),
              Tactic(32, 512, 16, 2), Tactic(64, 128, 16, 4)],
 }

@@ -131,7 +131,7 @@ def test_ptx_targets_requested_architecture(arch, tmp_path):
         "from kda_backend.kernels.skinny_gemm import default_tactic\n"
         f"compile_gemm(KernelKey(default_tactic(1536, 128, 1), 1536, 128, 144, 128, {arch!r}))\n"
     )
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx,ir", CUTE_DSL_DUMP_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ptx = list(tmp_path.glob("*.ptx"))
@@ -139,6 +139,8 @@ def test_ptx_targets_requested_architecture(arch, tmp_path):
     text = ptx[0].read_text()
     assert f".target {arch}" in text
     assert "mma.sync.aligned.m16n8k16" in text and "cp.async" in text and "griddepcontrol.wait" in text
+    host_ir = "".join(p.read_text() for p in tmp_path.glob("*.mlir"))
+    assert "cuda.launch_cfg.shared_mem_carveout" in host_ir and "%c100_i32" in host_ir  # SMEM_CARVEOUT_PERCENT
 
 
 def test_skinny_n_is_split_along_k():

@@ -114,22 +114,23 @@ SPLIT_TARGET_CTAS = 128
 
 
 def default_tactic(n: int, k: int, m: int) -> Tactic:
-    """A sound tactic without tuning. 16-row CTAs, so even small N spreads over many SMs; 4 stages of
-    128-element K-tiles = 32 KB of shared memory per CTA, which leaves room on every SM for the side chain's CTAs
-    when it runs concurrently (H200, TP8: the overlapped stage takes 23.5 us with these CTAs and 31.7 us with
-    64 KB ones, which are faster alone but serialize the side chain). Skinny N (F_A/beta) is split along K into
+    """A sound tactic without tuning: 16-row CTAs, so even small N spreads over many SMs, with 4 stages of
+    256-element K-tiles (64 KB of shared memory per CTA; 94-98 % of copy bandwidth for Kimi-K3 TP8 QKVG on H200).
+    The side chain still fits beside these CTAs because every launch asks for the maximum shared-memory carveout
+    (:data:`kda_backend.kernels.compile_cache.SMEM_CARVEOUT_PERCENT`). Skinny N (F_A/beta) is split along K into
     about ``SPLIT_TARGET_CTAS`` CTAs of two small stages each."""
     if n % 16:
         raise ValueError(f"N={n} is not a multiple of 16")
-    block_k = next((b for b in (128, 64) if k % b == 0), None)
-    if block_k is None:
+    if k % 64:
         raise ValueError(f"K={k} is not a multiple of 64")
     block_t = block_t_for(m)
-    row_blocks, k_tiles = n // 16, k // block_k
-    if row_blocks < SPLIT_BELOW_ROW_BLOCKS and k_tiles > 4:
+    row_blocks = n // 16
+    if row_blocks < SPLIT_BELOW_ROW_BLOCKS and k % 128 == 0 and k // 128 > 4:
+        k_tiles = k // 128
         splits = [s for s in range(1, k_tiles + 1) if k_tiles % s == 0 and row_blocks * s <= SPLIT_TARGET_CTAS]
-        return Tactic(block_n=16, block_k=block_k, block_t=block_t, stages=2, split_k=max(splits))
-    return Tactic(block_n=16, block_k=block_k, block_t=block_t, stages=max(2, min(4, k_tiles)))
+        return Tactic(block_n=16, block_k=128, block_t=block_t, stages=2, split_k=max(splits))
+    block_k = next(b for b in (256, 128, 64) if k % b == 0)
+    return Tactic(block_n=16, block_k=block_k, block_t=block_t, stages=max(2, min(4, k // block_k)))
 
 
 def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]:
