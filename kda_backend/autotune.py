@@ -20,9 +20,11 @@ import torch
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, candidate_tactics, default_tactic
-from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.plan_store import TacticTable
+from kda_backend.plugins import hooks
 from kda_backend.projection import KDAProjection
+from kda_backend.providers.base import ROLES
 from kda_backend.providers.cute_provider import MAX_M as CUTE_MAX_M
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
@@ -114,11 +116,24 @@ def _shortlist(cands: list[Tactic], default: Tactic, limit: int) -> list[Tactic]
     return [default, *others[: limit - 1]]
 
 
-def step_candidates(m: int) -> list[Step]:
-    providers = ("cute", "torch") if m <= CUTE_MAX_M else ("torch",)
+def usable_providers(weights: ProjectionWeights, m: int) -> dict[str, tuple[str, ...]]:
+    """Per role, the names of the providers that can serve this device's GEMM at ``m`` tokens, best first."""
+    projection = KDAProjection(weights)
+    usable = {}
+    for role in ROLES:
+        call = projection.gemm_call(role, m)
+        usable[role] = tuple(
+            p.name for p in hooks.gemm_providers() if dispatch.broken_reason(p.name) is None and p.why_not(call) is None
+        )
+    return usable
+
+
+def step_candidates(m: int, usable: dict[str, tuple[str, ...]]) -> list[Step]:
+    """Overlapped or sequential x provider of QKVG x provider of the side chain. F_B follows the side chain's
+    provider where that one serves it (it reads a strided view not every provider takes), else ``auto``."""
     return [
-        Step(overlap=overlap, qkvg=main, fab=side, fb=side)
-        for overlap, main, side in itertools.product((False, True), providers, providers)
+        Step(overlap=overlap, qkvg=main, fab=side, fb=side if side in usable["fb"] else AUTO)
+        for overlap, main, side in itertools.product((False, True), usable["qkvg"], usable["fab"])
     ]
 
 
@@ -144,7 +159,7 @@ def tune_plan(
     timings: dict[int, dict[str, float]] = {}
     for m in ms:
         results = []
-        for step in step_candidates(m):
+        for step in step_candidates(m, usable_providers(weights[0], m)):
             try:
                 results.append((time_step(weights, step, m), step))
             except Exception as exc:  # a candidate that cannot run is not a plan; report it and go on

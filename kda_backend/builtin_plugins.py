@@ -11,18 +11,20 @@ import torch
 from kda_backend.hookspecs import hookimpl
 from kda_backend.providers.base import GemmProvider
 from kda_backend.providers.cute_provider import CuteDslProvider
+from kda_backend.providers.flashinfer_provider import FlashInferProvider
 from kda_backend.providers.torch_provider import TorchProvider
 
 
 class BuiltinProviders:
-    """Contributes the CuTe DSL provider and the torch/cuBLAS provider that serves every call."""
+    """Contributes the CuTe DSL provider, the optional FlashInfer provider and the torch/cuBLAS provider that
+    serves every call."""
 
     def __init__(self) -> None:
         self.cute = CuteDslProvider()
 
     @hookimpl(trylast=True)
     def kda_gemm_providers(self) -> list[GemmProvider]:
-        return [self.cute, TorchProvider()]
+        return [self.cute, FlashInferProvider(), TorchProvider()]
 
 
 class DefaultHost:

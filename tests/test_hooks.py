@@ -38,12 +38,12 @@ class _Host:
 
 
 def test_kda_gemm_providers_builtin_and_external_sorted_by_priority():
-    assert [p.name for p in hooks.gemm_providers()] == ["cute", "torch"]
+    assert [p.name for p in hooks.gemm_providers()] == ["cute", "flashinfer", "torch"]
     assert register_plugin(_Host(), "host")
     names = [p.name for p in hooks.gemm_providers()]
-    assert names == ["cute", "fake", "torch"]
+    assert names == ["cute", "fake", "flashinfer", "torch"]
     unregister_plugin("host")
-    assert [p.name for p in hooks.gemm_providers()] == ["cute", "torch"]
+    assert [p.name for p in hooks.gemm_providers()] == ["cute", "flashinfer", "torch"]
 
 
 def test_kda_host_fork_allowed_default_false_outside_capture_and_overridable():
@@ -98,12 +98,12 @@ def test_register_is_idempotent_and_block_list(monkeypatch):
     plugins.reset_plugin_manager()
     monkeypatch.setenv("KDA_BACKEND_BLOCK_PLUGINS", "host, other")
     assert not register_plugin(_Host(), "host")
-    assert [p.name for p in hooks.gemm_providers()] == ["cute", "torch"]
+    assert [p.name for p in hooks.gemm_providers()] == ["cute", "flashinfer", "torch"]
 
 
 def test_builtins_cannot_be_blocked(monkeypatch, kda_log):
     monkeypatch.setenv("KDA_BACKEND_BLOCK_PLUGINS", "builtin-providers")
-    assert [p.name for p in hooks.gemm_providers()] == ["cute", "torch"]
+    assert [p.name for p in hooks.gemm_providers()] == ["cute", "flashinfer", "torch"]
     assert any("cannot be blocked" in m for m in kda_log.messages())
 
 
@@ -142,11 +142,11 @@ def test_entry_point_plugins_are_loaded_and_blockable(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     plugins.reset_plugin_manager()
     assert "ext" in plugins.plugin_names()
-    assert [p.name for p in hooks.gemm_providers()] == ["cute", "ext", "torch"]
+    assert [p.name for p in hooks.gemm_providers()] == ["cute", "flashinfer", "ext", "torch"]
     monkeypatch.setenv("KDA_BACKEND_BLOCK_PLUGINS", "ext")
     plugins.reset_plugin_manager()
     assert "ext" not in plugins.plugin_names()
-    assert [p.name for p in hooks.gemm_providers()] == ["cute", "torch"]
+    assert [p.name for p in hooks.gemm_providers()] == ["cute", "flashinfer", "torch"]
 
 
 def test_torch_provider_serves_everything():

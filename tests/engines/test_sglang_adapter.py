@@ -14,6 +14,10 @@ import torch
 sglang = pytest.importorskip("sglang")
 
 from engine_helpers import free_port  # noqa: E402
+from parity.checkpoint import (  # noqa: E402
+    CHECKPOINTS, PARITY_CASES, PARITY_MS, PREFIX, TINY, artifacts_dir, load_checkpoint, loaded_checksums,
+    make_checkpoint, parity_input,
+)
 
 from kda_backend import plugins  # noqa: E402
 
@@ -41,15 +45,15 @@ def host_registered(fresh_plugins, loaded):
 _layer_count = iter(range(10_000))
 
 
-def _build_layer(seed=0, dtype=torch.bfloat16, merge=True):
+def _build_layer(seed=0, dtype=torch.bfloat16, merge=True, hidden=HIDDEN, heads=HEADS, head_dim=HEAD_DIM):
     """SGLang's model code path: the (hooked) module attribute, constructed as the model does, weights random."""
     import sglang.srt.models.kimi_k3 as kimi_k3
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
 
     config = KimiLinearConfig(
-        hidden_size=HIDDEN, num_attention_heads=4, rms_norm_eps=1e-5,
+        hidden_size=hidden, num_attention_heads=4, rms_norm_eps=1e-5,
         linear_attn_config={
-            "head_dim": HEAD_DIM, "num_heads": HEADS, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+            "head_dim": head_dim, "num_heads": heads, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
             "use_full_rank_gate": True, "kda_layers": [1], "full_attn_layers": [2],
         },
     )
@@ -57,7 +61,7 @@ def _build_layer(seed=0, dtype=torch.bfloat16, merge=True):
     torch.set_default_dtype(dtype)
     try:
         layer = kimi_k3.KimiK3DeltaAttention(
-            layer_idx=0, hidden_size=HIDDEN, config=config, prefix=f"model.layers.{next(_layer_count)}.self_attn"
+            layer_idx=0, hidden_size=hidden, config=config, prefix=f"model.layers.{next(_layer_count)}.self_attn"
         )
     finally:
         torch.set_default_dtype(previous)
@@ -213,36 +217,53 @@ def test_full_attention_delegate_per_platform():
 SGLANG_QKVG_SHARD_IDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "g_proj": 3}
 
 
-def test_parity_artifact_through_sglang_loaders(kda_backend_selected, tmp_path):
-    """Load the synthetic checkpoint through SGLang's weight loaders and ``_merge_bfa_weights`` and write the
-    adapter's projections for the cross-engine comparison (tests/engines/test_cross_engine_parity.py)."""
-    from parity.checkpoint import (
-        PARITY_MS, PREFIX, TINY, artifacts_dir, checksums, load_checkpoint, make_checkpoint, parity_input,
-    )
+def _load_rank(tensors, geometry, tp, rank):
+    """SGLang's layer for rank ``rank`` of ``tp`` (SGLang's own ``parallel_scope`` test helper sets the TP and
+    attention-TP rank and size the linear layers read), weights loaded from the unsharded checkpoint by SGLang's
+    loaders, then ``_merge_bfa_weights`` as ``post_load_weights`` does."""
+    from sglang.test.parallel_groups import parallel_scope
 
+    # moe_tp_size keeps the topology consistent (tp = moe_ep * moe_dp * moe_tp); the layer has no MoE.
+    with parallel_scope(tp_rank=rank, tp_size=tp, attn_tp_rank=rank, attn_tp_size=tp, moe_tp_size=tp):
+        layer = _build_layer(merge=False, hidden=geometry.hidden_size, heads=geometry.num_heads,
+                             head_dim=geometry.head_dim)
+        qkvg = layer.fused_qkvg_proj.weight
+        for name, shard_id in SGLANG_QKVG_SHARD_IDS.items():
+            qkvg.weight_loader(qkvg, tensors[f"{PREFIX}.{name}.weight"], shard_id)
+        for name in ("f_a_proj", "b_proj", "f_b_proj"):
+            param = getattr(layer, name).weight
+            param.weight_loader(param, tensors[f"{PREFIX}.{name}.weight"])
+        layer._merge_bfa_weights()
+    assert layer.attn_tp_size == tp and layer.local_num_heads == geometry.num_heads // tp
+    return layer
+
+
+def test_parity_artifact_through_sglang_loaders(kda_backend_selected, tmp_path, monkeypatch):
+    """Load each synthetic checkpoint through SGLang's weight loaders as every rank of every TP size, and write
+    the adapter's projections for the cross-engine comparison (tests/engines/test_cross_engine_parity.py)."""
+    import sglang.kernels.ops.gemm.kimi_k3 as sglang_tiny_gemm
     import sglang.srt.models.kimi_k3 as kimi_k3
 
+    # SGLang's native path sends the exact K3 TP8 shapes to a CUDA-only tiny-GEMM kernel; on the CPU its own
+    # F.linear fallback (what every other shape gets) stands in for it.
+    monkeypatch.setattr(sglang_tiny_gemm, "_K3_TINY_GEMM_MAX_TOKENS", {})
+
     assert (HIDDEN, HEADS, HEAD_DIM) == (TINY.hidden_size, TINY.num_heads, TINY.head_dim)
-    make_checkpoint(tmp_path / "model.safetensors")
-    tensors = load_checkpoint(tmp_path / "model.safetensors")
-    layer = _build_layer(merge=False)
-    qkvg = layer.fused_qkvg_proj.weight
-    for name, shard_id in SGLANG_QKVG_SHARD_IDS.items():
-        qkvg.weight_loader(qkvg, tensors[f"{PREFIX}.{name}.weight"], shard_id)
-    for name in ("f_a_proj", "b_proj", "f_b_proj"):
-        param = getattr(layer, name).weight
-        param.weight_loader(param, tensors[f"{PREFIX}.{name}.weight"])
-    layer._merge_bfa_weights()
-    outputs = {}
-    for m in PARITY_MS:
-        x = parity_input(m, HIDDEN)
-        qkv, beta, forget_gate, g_proj = layer.forward_qkvbfg_fused(x)
-        native = kimi_k3.KimiK3DeltaAttention.__mro__[1].forward_qkvbfg_fused(layer, x)
-        assert all(torch.equal(a, b) for a, b in zip((qkv, beta, forget_gate, g_proj), native))
-        outputs[m] = [torch.cat([qkv, g_proj], dim=-1), forget_gate.clone(), beta.clone()]
-    w = layer._kda_projection.weights
-    g = w.geometry
-    loaded = {"qkvg": w.w_qkvg, "fab": w.w_fab[: g.fab_rows_used], "fb": w.w_fb}
+    results = {}
+    for name, geometry in CHECKPOINTS.items():
+        make_checkpoint(tmp_path / f"{name}.safetensors", geometry)
+        tensors = load_checkpoint(tmp_path / f"{name}.safetensors")
+        for case in [c for c in PARITY_CASES if c[0] == name]:
+            layer = _load_rank(tensors, geometry, case[1], case[2])
+            outputs = {}
+            for m in PARITY_MS:
+                x = parity_input(m, geometry.hidden_size)
+                qkv, beta, forget_gate, g_proj = layer.forward_qkvbfg_fused(x)
+                native = kimi_k3.KimiK3DeltaAttention.__mro__[1].forward_qkvbfg_fused(layer, x)
+                assert all(torch.equal(a, b) for a, b in zip((qkv, beta, forget_gate, g_proj), native)), (case, m)
+                outputs[m] = [torch.cat([qkv, g_proj], dim=-1), forget_gate.clone(), beta.clone()]
+            results[case] = {"outputs": outputs, "checksums": loaded_checksums(layer._kda_projection.weights)}
+            del layer
     folder = artifacts_dir()
     folder.mkdir(exist_ok=True)
-    torch.save({"engine": "sglang", "outputs": outputs, "checksums": checksums(loaded)}, folder / "sglang.pt")
+    torch.save({"engine": "sglang", "results": results}, folder / "sglang.pt")

@@ -16,10 +16,33 @@ vllm = pytest.importorskip("vllm")
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 
 from engine_helpers import free_port  # noqa: E402
+from parity.checkpoint import (  # noqa: E402
+    CHECKPOINTS, K3_RANK, PARITY_CASES, PARITY_MS, PREFIX, TINY, artifacts_dir, load_checkpoint, loaded_checksums,
+    make_checkpoint, parity_input,
+)
 
 from kda_backend import plugins  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM = 256, 8, 32
+
+
+def _vllm_config(folder, hidden=HIDDEN, heads=HEADS, head_dim=HEAD_DIM) -> VllmConfig:
+    """A VllmConfig for a small Kimi-K3-shaped model (one KDA layer, one MLA layer) written to ``folder``."""
+    config = {
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "hidden_size": hidden,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 1024, "intermediate_size": 512,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "q_lora_rank": None, "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        "linear_attn_config": {
+            "head_dim": head_dim, "num_heads": heads, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True, "kda_layers": [1], "full_attn_layers": [2],
+        },
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -27,22 +50,7 @@ def vllm_env(tmp_path_factory):
     """A VllmConfig for a tiny Kimi-K3 config, with vLLM's distributed state initialised on one CPU rank."""
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    folder = tmp_path_factory.mktemp("tiny-k3")
-    config = {
-        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "hidden_size": HIDDEN,
-        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 1024, "intermediate_size": 512,
-        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "q_lora_rank": None, "kv_lora_rank": 64,
-        "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-        "linear_attn_config": {
-            "head_dim": HEAD_DIM, "num_heads": HEADS, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
-            "use_full_rank_gate": True, "kda_layers": [1], "full_attn_layers": [2],
-        },
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    vc = VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16"),
-    )
+    vc = _vllm_config(tmp_path_factory.mktemp("tiny-k3"))
     with set_current_vllm_config(vc):
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -220,30 +228,56 @@ def test_plan_shared_from_rank0_on_one_rank(injected):
 VLLM_SHARD_IDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "g_proj": 3, "f_a_proj": 4, "b_proj": 5}
 
 
-def test_parity_artifact_through_vllm_loaders(injected, vllm_env, tmp_path):
-    """Load the synthetic checkpoint through vLLM's weight loaders (its shard ids, the replicated f_a shard) and
-    write the adapter's projections for the cross-engine comparison (tests/engines/test_cross_engine_parity.py)."""
-    from parity.checkpoint import (
-        PARITY_MS, PREFIX, TINY, artifacts_dir, checksums, load_checkpoint, make_checkpoint, parity_input,
-    )
+class _TensorParallelRank:
+    """vLLM's tensor-parallel group as rank ``rank`` of ``size`` sees it. Layer shapes and every weight loader's
+    shard offsets come from this group's ``rank_in_group`` and ``world_size``; the projection stage itself does
+    no communication, so one process can stand in for each rank in turn."""
 
+    def __init__(self, group, rank: int, size: int) -> None:
+        self._group, self.rank_in_group, self.world_size = group, rank, size
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def _load_rank(vllm_config, tensors, tp, rank, monkeypatch):
+    """vLLM's layer for rank ``rank`` of ``tp``, its weights loaded from the unsharded checkpoint by vLLM's
+    loaders (stacked shard ids; f_a, shard 4, replicated)."""
+    from vllm.distributed import parallel_state
+
+    with monkeypatch.context() as patch:
+        patch.setattr(parallel_state, "_TP", _TensorParallelRank(parallel_state._TP, rank, tp))
+        layer = _build_layer(vllm_config)
+        packed = layer.in_proj_qkvgfab.weight
+        for name, shard_id in VLLM_SHARD_IDS.items():
+            packed.weight_loader(packed, tensors[f"{PREFIX}.{name}.weight"], shard_id)
+        layer.f_b_proj.weight.weight_loader(layer.f_b_proj.weight, tensors[f"{PREFIX}.f_b_proj.weight"])
+    assert layer.tp_size == tp and layer.local_num_heads == layer.num_heads // tp
+    return layer
+
+
+def test_parity_artifact_through_vllm_loaders(injected, vllm_env, tmp_path, monkeypatch):
+    """Load each synthetic checkpoint through vLLM's weight loaders as every rank of every TP size, and write the
+    adapter's projections for the cross-engine comparison (tests/engines/test_cross_engine_parity.py)."""
+    configs = {"tiny": vllm_env, "k3-rank": _vllm_config(tmp_path, K3_RANK.hidden_size, K3_RANK.num_heads,
+                                                          K3_RANK.head_dim)}
     assert (HIDDEN, HEADS, HEAD_DIM) == (TINY.hidden_size, TINY.num_heads, TINY.head_dim)
-    make_checkpoint(tmp_path / "model.safetensors")
-    tensors = load_checkpoint(tmp_path / "model.safetensors")
-    layer = _build_layer(vllm_env)
-    packed = layer.in_proj_qkvgfab.weight
-    for name, shard_id in VLLM_SHARD_IDS.items():
-        packed.weight_loader(packed, tensors[f"{PREFIX}.{name}.weight"], shard_id)
-    layer.f_b_proj.weight.weight_loader(layer.f_b_proj.weight, tensors[f"{PREFIX}.f_b_proj.weight"])
-    w = layer.kda_projection().weights
-    g = w.geometry
-    outputs = {}
-    for m in PARITY_MS:
-        x = parity_input(m, HIDDEN)
-        ours = layer.kda_projection()(x)
-        assert all(torch.equal(a, b) for a, b in zip(ours, _vllm_projection(layer, x)))
-        outputs[m] = [t.clone() for t in ours]
-    loaded = {"qkvg": w.w_qkvg, "fab": w.w_fab[: g.fab_rows_used], "fb": w.w_fb}
+    results = {}
+    for name, geometry in CHECKPOINTS.items():
+        make_checkpoint(tmp_path / f"{name}.safetensors", geometry)
+        tensors = load_checkpoint(tmp_path / f"{name}.safetensors")
+        for case in [c for c in PARITY_CASES if c[0] == name]:
+            layer = _load_rank(configs[name], tensors, case[1], case[2], monkeypatch)
+            projection = layer.kda_projection()
+            outputs = {}
+            for m in PARITY_MS:
+                x = parity_input(m, geometry.hidden_size)
+                ours = projection(x)
+                theirs = _vllm_projection(layer, x)
+                assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), (case, m)
+                outputs[m] = [t.clone() for t in ours]
+            results[case] = {"outputs": outputs, "checksums": loaded_checksums(projection.weights)}
+            del layer, projection
     folder = artifacts_dir()
     folder.mkdir(exist_ok=True)
-    torch.save({"engine": "vllm", "outputs": outputs, "checksums": checksums(loaded)}, folder / "vllm.pt")
+    torch.save({"engine": "vllm", "results": results}, folder / "vllm.pt")
