@@ -60,36 +60,10 @@ def target_arch(device: torch.device | None = None) -> str:
     return f"sm_{major}{minor}a"
 
 
-def compile_gemm(key: KernelKey) -> Any:
-    """Compile one kernel for ``key.arch`` and return the TVM-FFI callable ``f(x, w, out_t)`` (with split-K,
-    ``out_t`` is the fp32 workspace ``[split_k, M, N]`` permuted to ``(N, M, split_k)``)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    gemm = SkinnyGemm(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride)
-    m = cute.sym_int32(symbol="M")
-    x = make_fake_tensor(cutlass.BFloat16, (m, key.k), (key.x_row_stride, 1), assumed_align=16)
-    w = make_fake_tensor(cutlass.BFloat16, (key.n, key.k), (key.w_row_stride, 1), assumed_align=16)
-    if key.tactic.split_k > 1:
-        out_t = make_fake_tensor(
-            cutlass.Float32, (key.n, m, key.tactic.split_k), (1, key.n, cute.sym_int64()), assumed_align=16
-        )
-    else:
-        out_t = make_fake_tensor(cutlass.BFloat16, (key.n, m), (1, key.n), assumed_align=16)
-    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    with _launches_prefer_max_smem() as launches:
-        kernel = cute.compile(gemm, x, w, out_t, stream, options=f"--enable-tvm-ffi --gpu-arch {key.arch}")
-    if launches[0] != 1:
-        warn_once("carveout", f"expected one kernel launch to tag with the shared-memory carveout, saw {launches[0]}; "
-                  "the overlapped stage may serialize (see benchmarks/RESULTS.md, 2026-11-30)")
-    return kernel
-
-
 # Percent of each SM's unified L1/shared storage the kernels ask to be shared memory. Left to itself the driver
 # sizes the split for the launching kernel's own occupancy (3 x 64 KB QKVG CTAs -> 196 KB), and an SM split that
 # way has no room for the side chain's CTAs, so the overlapped stage serializes (measured on H200: 31.9 us instead
-# of 23.5 us at M = 1). Weights bypass L1 (cp.async.cg), so the smaller L1 costs the kernels nothing measurable.
+# of 23.2 us at M = 1). Weights bypass L1 (cp.async.cg), so the smaller L1 costs the kernels nothing measurable.
 SMEM_CARVEOUT_PERCENT = 100
 _compile_lock = threading.Lock()
 
@@ -121,6 +95,32 @@ def _launches_prefer_max_smem():
             yield count
         finally:
             cuda_dialect.launch_ex = original
+
+
+def compile_gemm(key: KernelKey) -> Any:
+    """Compile one kernel for ``key.arch`` and return the TVM-FFI callable ``f(x, w, out_t)`` (with split-K,
+    ``out_t`` is the fp32 workspace ``[split_k, M, N]`` permuted to ``(N, M, split_k)``)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    gemm = SkinnyGemm(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride)
+    m = cute.sym_int32(symbol="M")
+    x = make_fake_tensor(cutlass.BFloat16, (m, key.k), (key.x_row_stride, 1), assumed_align=16)
+    w = make_fake_tensor(cutlass.BFloat16, (key.n, key.k), (key.w_row_stride, 1), assumed_align=16)
+    if key.tactic.split_k > 1:
+        out_t = make_fake_tensor(
+            cutlass.Float32, (key.n, m, key.tactic.split_k), (1, key.n, cute.sym_int64()), assumed_align=16
+        )
+    else:
+        out_t = make_fake_tensor(cutlass.BFloat16, (key.n, m), (1, key.n), assumed_align=16)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    with _launches_prefer_max_smem() as launches:
+        kernel = cute.compile(gemm, x, w, out_t, stream, options=f"--enable-tvm-ffi --gpu-arch {key.arch}")
+    if launches[0] != 1:
+        warn_once("carveout", f"expected one kernel launch to tag with the shared-memory carveout, saw {launches[0]}; "
+                  "the overlapped stage may serialize (see benchmarks/RESULTS.md, 2026-11-30)")
+    return kernel
 
 
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
@@ -156,7 +156,7 @@ def load_exported(path: Path, symbol: str) -> Any:
 def export(kernel: Any, path: Path, symbol: str) -> None:
     """Write ``kernel`` as an object file at ``path`` atomically (concurrent ranks may export the same key)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".o.tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".o")  # the DSL picks the format by suffix
     os.close(fd)
     try:
         kernel.export_to_c(tmp, function_name=symbol)
