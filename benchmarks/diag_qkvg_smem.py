@@ -14,12 +14,10 @@ import sys
 import torch
 
 from kda_backend import dispatch
-from kda_backend.autotune import OVERLAP_CUTE, make_weight_copies, time_step
+from kda_backend.autotune import OVERLAP_CUTE, make_weight_copies, time_step, time_tactic
 from kda_backend.geometry import preset
 from kda_backend.kernels.skinny_gemm import Tactic
 from kda_backend.plan import Step
-from kda_backend.providers.cute_provider import launch
-from kda_backend.timing import graph_time_per_layer
 
 if len(sys.argv) > 3 and sys.argv[3] == "prefer-shared":
     # Context-wide L1/shared preference (a probe of the carveout explanation, not something the package does).
@@ -50,9 +48,7 @@ for tactic in tactics:
         try:
             ovl = time_step(weights, OVERLAP_CUTE, m) * 1e6
             seq = time_step(weights, sequential, m) * 1e6
-            xs = [torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in weights]
-            outs = [torch.empty(m, g.qkvg_rows, device="cuda", dtype=torch.bfloat16) for _ in weights]
-            alone = graph_time_per_layer(lambda i: launch(tactic, xs[i % 6], weights[i % 6].w_qkvg, outs[i % 6])) * 1e6
+            alone = time_tactic(weights, "qkvg", tactic, m) * 1e6
             print(f"qkvg={tactic.key():14} smem={tactic.smem_bytes() // 1024:3} KB M={m:2}: overlapped {ovl:6.2f} "
                   f"sequential {seq:6.2f} qkvg alone {alone:6.2f} us", flush=True)
         except Exception as exc:

@@ -12,11 +12,9 @@ import sys
 import torch
 
 from kda_backend import dispatch
-from kda_backend.autotune import OVERLAP_CUTE, make_weight_copies, time_step
+from kda_backend.autotune import OVERLAP_CUTE, make_weight_copies, time_step, time_tactic
 from kda_backend.geometry import preset
 from kda_backend.kernels.skinny_gemm import Tactic
-from kda_backend.providers.cute_provider import launch
-from kda_backend.timing import graph_time_per_layer
 
 g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
@@ -36,9 +34,7 @@ for tactic in FAB_TACTICS:
     for m in ms:
         try:
             ovl = time_step(weights, OVERLAP_CUTE, m) * 1e6
-            xs = [torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in weights]
-            outs = [torch.empty(m, g.fab_rows, device="cuda", dtype=torch.bfloat16) for _ in weights]
-            alone = graph_time_per_layer(lambda i: launch(tactic, xs[i % 6], weights[i % 6].w_fab, outs[i % 6])) * 1e6
+            alone = time_tactic(weights, "fab", tactic, m) * 1e6
             print(f"fab={tactic.key():18} CTAs={ctas:3} M={m:2}: overlapped stage {ovl:6.2f} us, "
                   f"F_A/beta alone {alone:6.2f} us", flush=True)
         except Exception as exc:

@@ -59,6 +59,17 @@ def _role_shapes(g: KDAGeometry) -> dict[str, tuple[int, int, int]]:
 OVERLAP_CUTE = Step(overlap=True, qkvg="cute", fab="cute", fb="cute")
 
 
+def time_tactic(weights: list[ProjectionWeights], role: str, tactic: Tactic, m: int) -> float:
+    """Seconds per layer of ``role``'s GEMM alone with one CuTe tactic at ``m`` tokens, its activations with the
+    real row stride (F_B reads f_a inside the wider F_A/beta output)."""
+    n, k, x_row_stride = _role_shapes(weights[0].geometry)[role]
+    device, c = weights[0].device, len(weights)
+    x_views = [torch.randn(m, x_row_stride, device=device, dtype=torch.bfloat16)[:, :k] for _ in range(c)]
+    outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(c)]
+    w_role = [{"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}[role] for w in weights]
+    return graph_time_per_layer(lambda i: launch(tactic, x_views[i % c], w_role[i % c], outs[i % c]), layers=LAYERS)
+
+
 def tune_tactics(
     geometry: KDAGeometry,
     weights: list[ProjectionWeights],
@@ -71,24 +82,15 @@ def tune_tactics(
     The side chain's GEMMs are timed alone; QKVG is timed inside the overlapped stage, because a tactic that is
     fastest alone can hold so much shared memory that the side chain cannot run beside it.
     """
-    device = weights[0].device
     table: TacticTable = {}
     shapes = _role_shapes(geometry)
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
-        w_of = (lambda w: w.w_fab) if role == "fab" else (lambda w: w.w_fb)
         for bucket in buckets:
             ms = BUCKET_MS[bucket]
             best = None
             for tactic in _shortlist(candidate_tactics(n, k, ms[-1], xs), default_tactic(n, k, ms[-1]), max_candidates):
-                total = 0.0
-                for m in ms:
-                    c = len(weights)
-                    x_views = [torch.randn(m, xs, device=device, dtype=torch.bfloat16)[:, :k] for _ in range(c)]
-                    outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(c)]
-                    total += graph_time_per_layer(
-                        lambda i: launch(tactic, x_views[i % c], w_of(weights[i % c]), outs[i % c]), layers=LAYERS
-                    )
+                total = sum(time_tactic(weights, role, tactic, m) for m in ms)
                 if best is None or total < best[0]:
                     best = (total, tactic)
             table[(role, n, k, bucket)] = best[1]

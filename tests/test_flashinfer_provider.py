@@ -57,7 +57,7 @@ def test_rejections_name_reason(kw, match, fake_flashinfer):
 def test_rejected_when_not_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import and find_spec both see "not installed"
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flashinfer" else real_find_spec(name))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "flashinfer" else real_find_spec(n))
     assert FlashInferProvider().why_not(_call()) == "flashinfer is not installed"
 
 
@@ -94,7 +94,8 @@ def test_forced_flashinfer_fails_loudly_on_hopper(monkeypatch, fake_flashinfer):
 
 def test_autotune_candidates_follow_usable_providers():
     g = KDAGeometry(hidden_size=256, num_heads=8, head_dim=32)
-    w = ProjectionWeights.from_packed(torch.zeros(g.packed_rows, 256).bfloat16(), torch.zeros(*g.fb_shape).bfloat16(), g)
+    packed, w_fb = torch.zeros(g.packed_rows, 256).bfloat16(), torch.zeros(*g.fb_shape).bfloat16()
+    w = ProjectionWeights.from_packed(packed, w_fb, g)
     assert usable_providers(w, 4) == {"qkvg": ("torch",), "fab": ("torch",), "fb": ("torch",)}
     usable = {"qkvg": ("cute", "flashinfer", "torch"), "fab": ("cute", "flashinfer", "torch"), "fb": ("cute", "torch")}
     steps = step_candidates(4, usable)

@@ -72,5 +72,17 @@ class GemmProvider(abc.ABC):
         return f"<GemmProvider {self.name} priority={self.priority}>"
 
 
+def cuda_bf16_reason(call: GemmCall, majors: tuple[int, ...]) -> str | None:
+    """Why a bf16 CUDA kernel built for compute capabilities ``majors`` (e.g. ``(9, 10)``) cannot serve ``call``,
+    or ``None`` if device, capability and dtype fit."""
+    if call.device_type != "cuda":
+        return f"needs a CUDA device, got {call.device_type}"
+    if call.capability is None or call.capability[0] not in majors:
+        return f"compute capability {call.capability} not in SM {majors}"
+    if call.dtype != torch.bfloat16:
+        return f"dtype {call.dtype} is not bfloat16"
+    return None
+
+
 class ProviderError(RuntimeError):
     """A provider failed while preparing or running a call."""

@@ -13,7 +13,7 @@ import torch
 
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, validate_tactic
-from kda_backend.providers.base import GemmCall, GemmProvider
+from kda_backend.providers.base import GemmCall, GemmProvider, cuda_bf16_reason
 
 MAX_M = 64
 SUPPORTED_MAJORS = (9, 10)
@@ -38,12 +38,9 @@ class CuteDslProvider(GemmProvider):
         return default_tactic(call.n, call.k, call.m)
 
     def why_not(self, call: GemmCall) -> str | None:
-        if call.device_type != "cuda":
-            return f"needs a CUDA device, got {call.device_type}"
-        if call.capability is None or call.capability[0] not in SUPPORTED_MAJORS:
-            return f"compute capability {call.capability} not in SM {SUPPORTED_MAJORS}"
-        if call.dtype != torch.bfloat16:
-            return f"dtype {call.dtype} is not bfloat16"
+        reason = cuda_bf16_reason(call, SUPPORTED_MAJORS)
+        if reason is not None:
+            return reason
         if call.m > MAX_M:
             return f"M > {MAX_M}"
         if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("tvm_ffi") is None:

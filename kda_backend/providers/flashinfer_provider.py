@@ -13,7 +13,7 @@ import importlib.util
 
 import torch
 
-from kda_backend.providers.base import GemmCall, GemmProvider
+from kda_backend.providers.base import GemmCall, GemmProvider, cuda_bf16_reason
 
 BACKEND = "cute-dsl"
 SUPPORTED_MAJORS = (10,)
@@ -24,12 +24,9 @@ class FlashInferProvider(GemmProvider):
     priority = 50
 
     def why_not(self, call: GemmCall) -> str | None:
-        if call.device_type != "cuda":
-            return f"needs a CUDA device, got {call.device_type}"
-        if call.capability is None or call.capability[0] not in SUPPORTED_MAJORS:
-            return f"compute capability {call.capability} not in SM {SUPPORTED_MAJORS} (mm_bf16 {BACKEND} kernels)"
-        if call.dtype != torch.bfloat16:
-            return f"dtype {call.dtype} is not bfloat16"
+        reason = cuda_bf16_reason(call, SUPPORTED_MAJORS)
+        if reason is not None:
+            return reason
         if call.x_row_stride != call.k:
             return f"x row stride {call.x_row_stride} != K={call.k}: mm_bf16 needs contiguous activations"
         if importlib.util.find_spec("flashinfer") is None:

@@ -99,7 +99,8 @@ def test_cross_engine_parity_report(artifacts, core, capsys):
               "bitwise equal to the core on the same path | max abs diff | worst rel err vs fp32")
         for engine, name, tp, m, equal, total, diff, rel in rows:
             rel_text = "-" if engine == "vllm=sglang" else f"{rel:.2e}"
-            print(f"{engine:>12} | {name:>7} | tp{tp} | M={m:>2} | {equal:>3}/{total:<3} equal | {diff:.3e} | {rel_text}")
+            print(f"{engine:>12} | {name:>7} | tp{tp} | M={m:>2} | {equal:>3}/{total:<3} equal | {diff:.3e} | "
+                  f"{rel_text}")
     assert not failures, failures[:20]
 
 
