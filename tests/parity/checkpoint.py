@@ -11,6 +11,7 @@ used, F_B 1536 x 128) without writing the 0.7 GB of a whole K3 layer.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -77,8 +78,7 @@ def core_weights(shards: dict[str, torch.Tensor], geometry: KDAGeometry, packed:
     F_A/beta padded to ``row_multiple`` rows as SGLang merges it."""
     from kda_backend import ProjectionWeights
 
-    g = geometry.__class__(geometry.hidden_size, geometry.num_heads, geometry.head_dim, geometry.tp_size,
-                           geometry.conv_width, row_multiple=row_multiple)
+    g = dataclasses.replace(geometry, row_multiple=row_multiple)
     w_qkvg = torch.cat([shards[n] for n in "qkvg"])
     fab_used = torch.cat([shards["f_a"], shards["b"]])
     w_fab = torch.cat([fab_used, fab_used.new_zeros(g.fab_rows - g.fab_rows_used, g.hidden_size)])
