@@ -1,8 +1,8 @@
 """Diagnostic: where the overlapped stage's time above QKVG alone goes (TP8, default tactics).
 
 Per layer, QKVG runs on the main stream while the aux stream runs a growing part of the side chain, forked and
-joined by the real scheduler: nothing (fork/join cost alone), the split-K F_A/beta kernel without its reduction,
-F_A/beta with the reduction, and the whole chain (+ F_B).
+joined by the real scheduler: nothing (fork/join cost alone), the split-K F_A/beta kernel (which reduces its
+partials itself), and the whole chain (+ F_B, launched programmatically behind it).
 
 Usage (GPU machine): python benchmarks/diag_overlap_parts.py 1,16
 """
@@ -13,7 +13,6 @@ import torch
 
 from kda_backend.autotune import make_weight_copies
 from kda_backend.geometry import preset
-from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.skinny_gemm import default_tactic
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.providers.cute_provider import launch
@@ -31,16 +30,12 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
     qkvg = [torch.empty(m, g.qkvg_rows, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
     fab = [torch.empty(m, g.fab_rows, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
     g1 = [torch.empty(m, g.local_width, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
-    ws = [torch.empty(t_fab.split_k, m, g.fab_rows, device="cuda", dtype=torch.float32) for _ in range(c)]
-    split_kernel = compiled_gemms.get(kernel_key(t_fab, g.fab_rows, g.hidden_size, g.hidden_size, g.hidden_size,
-                                                 torch.device("cuda")))
     schedulers = [OverlapScheduler() for _ in range(24)]
     sides = {
         "nothing": lambda i: None,
-        "fab split-K kernel": lambda i: split_kernel(xs[i % c], weights[i % c].w_fab, ws[i % c].permute(2, 1, 0)),
-        "fab + reduction": lambda i: launch(t_fab, xs[i % c], weights[i % c].w_fab, fab[i % c]),
-        "fab + reduction + fb": lambda i: (launch(t_fab, xs[i % c], weights[i % c].w_fab, fab[i % c]),
-                                           launch(t_fb, fab[i % c][:, : g.head_dim], weights[i % c].w_fb, g1[i % c])),
+        "fab": lambda i: launch(t_fab, xs[i % c], weights[i % c].w_fab, fab[i % c]),
+        "fab + fb": lambda i: (launch(t_fab, xs[i % c], weights[i % c].w_fab, fab[i % c]),
+                               launch(t_fb, fab[i % c][:, : g.head_dim], weights[i % c].w_fb, g1[i % c])),
     }
 
     def main(i):

@@ -152,11 +152,26 @@ def test_skinny_n_is_split_along_k():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_split_k_kernel_compiles(arch):
+def test_split_k_kernel_reduces_in_kernel(arch, tmp_path):
+    """The split-K kernel publishes partials, counts CTAs in with a device-scope atomic and the last one reads the
+    partials back from L2 (never a possibly stale L1 line) and resets the counter."""
     n, k, xs = _roles(8)["fab"]
     tactic = Tactic(block_n=16, block_k=128, block_t=16, stages=2, split_k=14)
     assert validate_tactic(tactic, n, k, xs) is None
-    assert compile_gemm(KernelKey(tactic, n, k, xs, k, arch)) is not None
+    code = (
+        "from kda_backend.kernels.compile_cache import KernelKey, compile_gemm\n"
+        "from kda_backend.kernels.skinny_gemm import Tactic\n"
+        f"compile_gemm(KernelKey({tactic!r}, {n}, {k}, {xs}, {k}, {arch!r}))\n"
+    )
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = next(tmp_path.glob("*.ptx")).read_text()
+    publish = text.index("fence.acq_rel.gpu")
+    arrive = text.index("atom.global.acq_rel.add")
+    read_back = text.index("ld.global.cg")
+    assert publish < arrive < read_back
+    assert text.count("ld.global.cg") == tactic.split_k * 8  # every split's partial, 8 accumulators per thread
 
 
 def _small_key():

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from kda_backend.geometry import preset
+from kda_backend.kernels.arrival_counters import arrival_counters
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for
 from kda_backend.providers.cute_provider import CuteDslProvider
 
 pytestmark = pytest.mark.gpu
@@ -31,28 +33,58 @@ def test_misaligned_pointer_rejected_before_launch():
         CuteDslProvider().run("fab", x, w, out)
 
 
+def _fab_provider(split_k: int, m: int) -> CuteDslProvider:
+    g = preset("kimi-k3", 8)
+    provider = CuteDslProvider()
+    provider.add_tactics({("fab", g.fab_rows, g.hidden_size, block_t_for(m)):
+                          Tactic(16, 128, block_t_for(m), 2, split_k=split_k)})
+    return provider
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 7, 14])
 @pytest.mark.parametrize("m", [1, 5, 16, 40])
 def test_split_k_matches_reference_and_is_deterministic(split_k, m):
-    from kda_backend.kernels.skinny_gemm import Tactic
-
+    """The in-kernel split-K reduction: right sums, the same bits every run, arrival counters left at zero."""
     g = preset("kimi-k3", 8)
-    provider = CuteDslProvider()
-    from kda_backend.kernels.skinny_gemm import block_t_for
-
-    provider.add_tactics({("fab", g.fab_rows, g.hidden_size, block_t_for(m)):
-                          Tactic(16, 128, block_t_for(m), 2, split_k=split_k)})
+    provider = _fab_provider(split_k, m)
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
     outs = []
-    for _ in range(2):
+    for _ in range(3):
         out = torch.full((m, g.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
         provider.run("fab", x, w, out)
         outs.append(out)
     ref = x.float() @ w.float().t()
     assert not outs[0].isnan().any()
     assert ((outs[0].float() - ref).norm() / ref.norm()).item() <= 1e-2
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    if split_k > 1:
+        counters = arrival_counters.for_stream(torch.cuda.current_stream(), 1)
+        assert not counters.any(), "the last CTA of every tile must reset its arrival counter"
+
+
+def test_split_k_on_concurrent_streams_keeps_results_apart():
+    """Two streams running the split-K kernel at once (each has its own counters) give their eager results."""
+    g = preset("kimi-k3", 8)
+    provider = _fab_provider(14, 4)
+    w = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
+    xs = [torch.randn(4, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    expected = []
+    for x in xs:
+        out = torch.empty(4, g.fab_rows, device="cuda", dtype=torch.bfloat16)
+        provider.run("fab", x, w, out)
+        expected.append(out)
+    streams = [torch.cuda.Stream() for _ in xs]
+    outs = [[torch.full((4, g.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(50)]
+            for _ in xs]
+    torch.cuda.synchronize()
+    for i in range(50):
+        for s, (stream, x) in enumerate(zip(streams, xs)):
+            with torch.cuda.stream(stream):
+                provider.run("fab", x, w, outs[s][i])
+    torch.cuda.synchronize()
+    for s in range(2):
+        assert all(torch.equal(out, expected[s]) for out in outs[s])
 
 
 def test_kernel_loaded_from_disk_equals_freshly_compiled(monkeypatch, tmp_path):

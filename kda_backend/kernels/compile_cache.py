@@ -98,8 +98,8 @@ def _launches_prefer_max_smem():
 
 
 def compile_gemm(key: KernelKey) -> Any:
-    """Compile one kernel for ``key.arch`` and return the TVM-FFI callable ``f(x, w, out_t)`` (with split-K,
-    ``out_t`` is the fp32 workspace ``[split_k, M, N]`` permuted to ``(N, M, split_k)``)."""
+    """Compile one kernel for ``key.arch`` and return the TVM-FFI callable: ``f(x, w, out_t)``, or with split-K
+    ``f(x, w, out_t, work, arrivals)`` (see :meth:`SkinnyGemm.split_k_call`)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -108,15 +108,18 @@ def compile_gemm(key: KernelKey) -> Any:
     m = cute.sym_int32(symbol="M")
     x = make_fake_tensor(cutlass.BFloat16, (m, key.k), (key.x_row_stride, 1), assumed_align=16)
     w = make_fake_tensor(cutlass.BFloat16, (key.n, key.k), (key.w_row_stride, 1), assumed_align=16)
-    if key.tactic.split_k > 1:
-        out_t = make_fake_tensor(
-            cutlass.Float32, (key.n, m, key.tactic.split_k), (1, key.n, cute.sym_int64()), assumed_align=16
-        )
-    else:
-        out_t = make_fake_tensor(cutlass.BFloat16, (key.n, m), (1, key.n), assumed_align=16)
+    out_t = make_fake_tensor(cutlass.BFloat16, (key.n, m), (1, key.n), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
     with _launches_prefer_max_smem() as launches:
-        kernel = cute.compile(gemm, x, w, out_t, stream, options=f"--enable-tvm-ffi --gpu-arch {key.arch}")
+        if key.tactic.split_k > 1:
+            work = make_fake_tensor(
+                cutlass.Float32, (key.n, m, key.tactic.split_k), (1, key.n, cute.sym_int64()), assumed_align=16
+            )
+            arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
+            kernel = cute.compile(gemm.split_k_call, x, w, out_t, work, arrivals, stream, options=options)
+        else:
+            kernel = cute.compile(gemm, x, w, out_t, stream, options=options)
     if launches[0] != 1:
         warn_once("carveout", f"expected one kernel launch to tag with the shared-memory carveout, saw {launches[0]}; "
                   "the overlapped stage may serialize (see benchmarks/RESULTS.md, 2026-11-30)")

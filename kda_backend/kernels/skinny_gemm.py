@@ -8,7 +8,8 @@ weights, so everything serves keeping weight bytes in flight:
 - ``stages`` K-tiles of ``[block_n, block_k]`` weights and ``[block_t, block_k]`` activations are in flight through
   ``cp.async`` (16-byte, L2-only) into a swizzled shared-memory ring; one barrier per K-tile.
 - Tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 accumulate) via ``ldmatrix``; warps split the weight rows, so
-  there is no cross-warp reduction and no atomics: results are bitwise deterministic.
+  there is no cross-warp reduction and no floating-point atomics: results are bitwise deterministic (split-K sums
+  its partials in split order inside the kernel, see :class:`Tactic`).
 - Programmatic dependent launch: weight tiles of the prologue are issued before ``griddepcontrol.wait``, so they
   stream while the previous kernel (which produced x) drains; only activation loads wait for it.
 - Activations are loaded once per CTA per K-tile (each x element read ``N / block_n`` times in total, from L2).
@@ -31,6 +32,7 @@ MMA_SHAPE = (16, 8, 16)  # mma.sync m16n8k16 for bf16
 COPY_BITS = 128  # cp.async 16-byte vectors
 ELEMS_PER_COPY = COPY_BITS // 16  # bf16 elements per 16-byte vector
 MAX_SMEM_BYTES = 227 * 1024  # per-CTA opt-in limit on SM 9.0 and 10.x
+SPLIT_K_FLAG_BYTES = 128  # shared word telling a split-K CTA's threads that it arrived last (one aligned slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +47,12 @@ class Tactic:
         issued its prologue (measured on H200: 2-8% faster than releasing it after the main loop).
     :param x_via_l1: load activations through L1 (``cp.async.ca``) so CTAs sharing an SM share them; pays at
         larger M where activation traffic rivals the weights'.
-    :param split_k: CTAs sharing one output tile along K (grid z). Each writes an fp32 partial to a workspace
-        ``[split_k, M, N]`` that the caller sums in a fixed order (deterministic, no atomics). Gives a skinny-N GEMM
-        (F_A/beta) many small CTAs, which fit beside the QKVG kernel's CTAs when both run concurrently.
+    :param split_k: CTAs sharing one output tile along K (grid z). Gives a skinny-N GEMM (F_A/beta) many small
+        CTAs, which fit beside the QKVG kernel's CTAs when both run concurrently. Each CTA writes an fp32 partial
+        to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival counter; the last to arrive
+        sums the partials in split order (deterministic whichever CTA is last), writes the output and resets the
+        counter. The reduction stays inside the kernel so the side chain is F_A/beta -> F_B, two kernels, and F_B
+        launches programmatically behind it (a separate reduction kernel made the chain end after QKVG's).
     """
 
     block_n: int = 64
@@ -69,7 +74,8 @@ class Tactic:
         return 32 * self.warps
 
     def smem_bytes(self) -> int:
-        return self.stages * (self.block_n + self.block_t) * self.block_k * 2
+        ring = self.stages * (self.block_n + self.block_t) * self.block_k * 2
+        return ring + (SPLIT_K_FLAG_BYTES if self.split_k > 1 else 0)
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
@@ -154,6 +160,16 @@ def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]
     return found
 
 
+@cute.jit
+def store_tokens(acc: cute.Tensor, t_go: cute.Tensor, t_co: cute.Tensor, m_tokens) -> None:
+    """Cast a thread's fp32 accumulator to the output dtype and write the elements of real tokens (column < M)."""
+    out = cute.make_fragment_like(acc, t_go.element_type)
+    out.store(acc.load().to(t_go.element_type))
+    for i in range(cute.size(out)):
+        if cute.elem_less(t_co[i][1], m_tokens):
+            t_go[i] = out[i]
+
+
 class SkinnyGemm:
     """The kernel for one tactic and one static problem (N, K, row strides); M is a runtime value."""
 
@@ -189,8 +205,20 @@ class SkinnyGemm:
 
     @cute.jit
     def __call__(self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, stream):
-        """``m_x`` (M, K), ``m_w`` (N, K); ``m_out_t`` (N, M) = out transposed (stride (1, N)), or with split-K the
-        fp32 workspace (N, M, split_k) with strides (1, N, M*N)."""
+        """``m_x`` (M, K), ``m_w`` (N, K), ``m_out_t`` (N, M) = out transposed (stride (1, N)); ``split_k == 1``."""
+        self._launch(m_x, m_w, m_out_t, m_out_t, m_out_t, stream)
+
+    @cute.jit
+    def split_k_call(
+        self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, m_work: cute.Tensor, m_arrivals: cute.Tensor,
+        stream,
+    ):
+        """As :meth:`__call__` for ``split_k > 1``, plus ``m_work`` the fp32 workspace (N, M, split_k) with strides
+        (1, N, M*N) and ``m_arrivals`` int32 arrival counters (one per output tile, N/block_n * ceil(M/block_t)),
+        zero on entry and left zero on exit."""
+        self._launch(m_x, m_w, m_out_t, m_work, m_arrivals, stream)
+
+    def _launch(self, m_x, m_w, m_out_t, m_work, m_arrivals, stream):
         t = self.tactic
         dtype = m_w.element_type
         mma = cute.make_tiled_mma(
@@ -203,7 +231,7 @@ class SkinnyGemm:
         grid = (self.n // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         g2s_w = self._g2s_copy(dtype, False)
         g2s_x = self._g2s_copy(dtype, t.x_via_l1)
-        self.kernel(m_x, m_w, m_out_t, s_w_layout, s_x_layout, g2s_w, g2s_x, mma).launch(
+        self.kernel(m_x, m_w, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, g2s_w, g2s_x, mma).launch(
             grid=grid,
             block=[t.threads, 1, 1],
             smem=t.smem_bytes(),
@@ -217,6 +245,8 @@ class SkinnyGemm:
         m_x: cute.Tensor,
         m_w: cute.Tensor,
         m_out_t: cute.Tensor,
+        m_work: cute.Tensor,
+        m_arrivals: cute.Tensor,
         s_w_layout: cute.ComposedLayout,
         s_x_layout: cute.ComposedLayout,
         g2s_w: cute.TiledCopy,
@@ -233,12 +263,9 @@ class SkinnyGemm:
         # Tiles of this CTA: gW (block_n, block_k, k_tiles), gX (block_t, block_k, k_tiles), gO (block_n, block_t)
         g_w = cute.local_tile(m_w, (t.block_n, t.block_k), (bidx, None))
         g_x = cute.local_tile(m_x, (t.block_t, t.block_k), (bidy, None))
-        m_out = m_out_t
-        if cutlass.const_expr(t.split_k > 1):
-            m_out = m_out_t[None, None, bidz]
-        g_o = cute.local_tile(m_out, (t.block_n, t.block_t), (bidx, bidy))
+        g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
         c_x = cute.local_tile(cute.make_identity_tensor(m_x.shape), (t.block_t, t.block_k), (bidy, None))
-        c_o = cute.local_tile(cute.make_identity_tensor(m_out.shape), (t.block_n, t.block_t), (bidx, bidy))
+        c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
 
         smem = cutlass.memory.SmemAllocator()
         s_w = smem.allocate_tensor(m_w.element_type, s_w_layout, 128)
@@ -320,8 +347,42 @@ class SkinnyGemm:
                 cute.copy(s2r_x, t_sx_read[None, None, kb, read], t_rx_view[None, None, kb])
                 cute.gemm(mma, acc, t_rw[None, None, kb], t_rx[None, None, kb], acc)
 
-        out = cute.make_fragment_like(acc, m_out_t.element_type)
-        out.store(acc.load().to(m_out_t.element_type))
-        for i in range(cute.size(out)):
+        if cutlass.const_expr(t.split_k > 1):
+            s_last = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), SPLIT_K_FLAG_BYTES)
+            self._reduce_split_k(acc, thr_mma, t_co, m_work, m_arrivals, s_last, m_tokens, bidx, bidy, bidz, tidx)
+            # Only the CTA that arrived last holds the full sum; the others are done.
+            if s_last[0] == t.split_k - 1:
+                store_tokens(acc, t_go, t_co, m_tokens)
+        else:
+            store_tokens(acc, t_go, t_co, m_tokens)
+
+    @cute.jit
+    def _reduce_split_k(self, acc, thr_mma, t_co, m_work, m_arrivals, s_last, m_tokens, bidx, bidy, bidz, tidx):
+        """Publish this CTA's partial and count it in; in the CTA that arrives last, replace ``acc`` with the sum
+        of every split's partial, in split order (``s_last[0] == split_k - 1`` there)."""
+        t = self.tactic
+        tile_shape = (t.block_n, t.block_t)
+        t_gp = thr_mma.partition_C(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy)))
+        for i in range(cute.size(acc)):
             if cute.elem_less(t_co[i][1], m_tokens):
-                t_go[i] = out[i]
+                t_gp[i] = acc[i]
+        # Release: every thread's partial is visible device-wide before thread 0 counts the CTA in.
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        tile = bidy * (self.n // t.block_n) + bidx
+        if tidx == 0:
+            s_last[0] = cute.arch.atomic_add(m_arrivals.iterator + tile, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.sync_threads()
+        if s_last[0] == t.split_k - 1:
+            cute.arch.fence_acq_rel_gpu()
+            acc.fill(0.0)
+            for s in cutlass.range_constexpr(t.split_k):
+                t_gs = thr_mma.partition_C(cute.local_tile(m_work[None, None, s], tile_shape, (bidx, bidy)))
+                for i in range(cute.size(acc)):
+                    if cute.elem_less(t_co[i][1], m_tokens):
+                        # L2 loads (.cg): this SM's L1 may hold a stale copy of a line another CTA wrote since.
+                        ptr = t_gs.iterator + cute.crd2idx(i, t_gs.layout)
+                        acc[i] = acc[i] + cute.arch.load(ptr, cutlass.Float32, cop="cg")
+            if tidx == 0:
+                # Stream order makes the reset visible to the next kernel that uses these counters.
+                m_arrivals[tile] = 0

@@ -11,6 +11,7 @@ import importlib.util
 
 import torch
 
+from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, validate_tactic
 from kda_backend.providers.base import GemmCall, GemmProvider, cuda_bf16_reason
@@ -51,9 +52,10 @@ class CuteDslProvider(GemmProvider):
 
     def prepare(self, call: GemmCall) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
-        compiled_gemms.get(
-            kernel_key(self.tactic(call), call.n, call.k, call.x_row_stride, call.w_row_stride, device)
-        )
+        tactic = self.tactic(call)
+        compiled_gemms.get(kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device))
+        if tactic.split_k > 1:
+            arrival_counters.reserve(device)
 
     def run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         for name, t in (("x", x), ("w", w), ("out", out)):
@@ -72,7 +74,7 @@ def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     if tactic.split_k == 1:
         kernel(x, w, out.t())
         return
+    tiles = n // tactic.block_n * -(-m // tactic.block_t)
+    counters = arrival_counters.for_stream(torch.cuda.current_stream(x.device), tiles)
     workspace = torch.empty(tactic.split_k, m, n, device=x.device, dtype=torch.float32)
-    kernel(x, w, workspace.permute(2, 1, 0))
-    # torch's CUDA sum reduces in a fixed order: deterministic run to run.
-    out.copy_(workspace.sum(dim=0))
+    kernel(x, w, out.t(), workspace.permute(2, 1, 0), counters)
