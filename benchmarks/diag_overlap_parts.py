@@ -4,9 +4,12 @@ Per layer, QKVG runs on the main stream while the aux stream runs a growing part
 joined by the real scheduler: nothing (fork/join cost alone), the split-K F_A/beta kernel (which reduces its
 partials itself), and the whole chain (+ F_B, launched programmatically behind it).
 
-Usage (GPU machine): python benchmarks/diag_overlap_parts.py 1,16
+Usage (GPU machine): python benchmarks/diag_overlap_parts.py 1,16 [LL,Ln,nL,nn]
+The optional second argument lists activation paths to compare: per variant one letter for QKVG, then one for
+F_A/beta; ``L`` loads x through L1 (the default tactics), ``n`` through L2 only.
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -22,9 +25,10 @@ g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
 c = len(weights)
 aux = torch.cuda.Stream()
-for m in [int(v) for v in sys.argv[1].split(",")]:
-    t_qkvg = default_tactic(g.qkvg_rows, g.hidden_size, m)
-    t_fab = default_tactic(g.fab_rows, g.hidden_size, m)
+variants = sys.argv[2].split(",") if len(sys.argv) > 2 else ["LL"]
+for m, variant in [(int(v), x_paths) for v in sys.argv[1].split(",") for x_paths in variants]:
+    t_qkvg = dataclasses.replace(default_tactic(g.qkvg_rows, g.hidden_size, m), x_via_l1=variant[0] == "L")
+    t_fab = dataclasses.replace(default_tactic(g.fab_rows, g.hidden_size, m), x_via_l1=variant[1] == "L")
     t_fb = default_tactic(g.local_width, g.head_dim, m)
     xs = [torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
     qkvg = [torch.empty(m, g.qkvg_rows, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
@@ -46,7 +50,7 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
         for side in sides.values():
             side(i)
     alone = graph_time_per_layer(main) * 1e6
-    print(f"M={m:2} qkvg alone {alone:6.2f} us", flush=True)
+    print(f"M={m:2} {t_qkvg.key()} alone {alone:6.2f} us", flush=True)
     for name, side in sides.items():
         t = graph_time_per_layer(lambda i, side=side: schedulers[i].run(lambda: main(i), lambda: side(i), aux)) * 1e6
-        print(f"M={m:2} qkvg || {name:22} {t:6.2f} us (+{t - alone:5.2f})", flush=True)
+        print(f"M={m:2} {t_qkvg.key()} || {t_fab.key()} {name:8} {t:6.2f} us (+{t - alone:5.2f})", flush=True)

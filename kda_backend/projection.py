@@ -15,6 +15,7 @@ import torch
 
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
+from kda_backend.log import warn_once
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.plan import AUTO, Plan, Step
 from kda_backend.plugins import hooks
@@ -129,8 +130,16 @@ class KDAProjection:
             self._run("fab", x, w.w_fab, fab)
             self._run("fb", fab[:, : g.head_dim], w.w_fb, g1)
 
+        aux = None
         if step.overlap and x.device.type == "cuda" and hooks.fork_allowed(x.device):
-            self._scheduler.run(main, side, self.aux_stream or hooks.aux_stream(x.device))
+            aux = self.aux_stream or hooks.aux_stream(x.device)
+            if aux == torch.cuda.current_stream(x.device):
+                # torch hands out pooled streams round-robin, so a host's aux stream can alias the capture stream.
+                warn_once("aux-is-current", f"the aux stream {aux} is the current stream: the side chain runs "
+                          "sequentially (the same kernels, same results, no overlap)")
+                aux = None
+        if aux is not None:
+            self._scheduler.run(main, side, aux)
         else:
             main()
             side()

@@ -39,13 +39,23 @@ def copy_bandwidth(nbytes: int = 4 * 1024**3, reps: int = 10) -> float:
     return moved / statistics.median(times)
 
 
+_warmup_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for warm-ups: torch hands out pooled streams round-robin, so a fresh one per
+    measurement would, after 32, alias a caller's aux stream."""
+    if device not in _warmup_streams:
+        _warmup_streams[device] = torch.cuda.Stream(device)
+    return _warmup_streams[device]
+
+
 def graph_time_per_layer(layer: Callable[[int], object], layers: int = 24, replays: int = 50) -> float:
     """Median seconds per layer of a CUDA graph running ``layer(i)`` for i in range(layers).
 
     ``layer`` must be capturable (all kernels compiled, no allocation that depends on data).
     """
-    require_cuda()
-    side = torch.cuda.Stream()
+    side = _warmup_stream(require_cuda())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(layers):

@@ -124,3 +124,24 @@ def test_overlap_forks_only_inside_capture():
     with torch.cuda.graph(graph):
         proj(x)
     assert len(calls) == 1 and calls[0] != torch.cuda.current_stream()
+
+
+def test_aux_stream_aliasing_the_capture_stream_runs_sequentially(kda_log):
+    """Pooled streams can alias: an aux stream that is the capture stream must not fork (one warning), and the
+    captured graph still computes the eager results."""
+    w = _weights(8, packed=False)
+    shared = torch.cuda.Stream()
+    proj = KDAProjection(w, Plan.uniform(16, Step(overlap=True)), aux_stream=shared)
+    proj.prepare([4])
+    x = torch.randn(4, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
+    eager = proj(x)
+    forks = []
+    proj._scheduler.run = lambda main, side, aux: forks.append(aux)
+    shared.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=shared):
+        captured = proj(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert forks == [] and sum("runs sequentially" in m for m in kda_log.messages()) == 1
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))

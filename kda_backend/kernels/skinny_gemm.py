@@ -349,7 +349,7 @@ class SkinnyGemm:
 
         if cutlass.const_expr(t.split_k > 1):
             s_last = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), SPLIT_K_FLAG_BYTES)
-            self._reduce_split_k(acc, thr_mma, t_co, m_work, m_arrivals, s_last, m_tokens, bidx, bidy, bidz, tidx)
+            self._reduce_split_k(acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx)
             # Only the CTA that arrived last holds the full sum; the others are done.
             if s_last[0] == t.split_k - 1:
                 store_tokens(acc, t_go, t_co, m_tokens)
@@ -357,9 +357,10 @@ class SkinnyGemm:
             store_tokens(acc, t_go, t_co, m_tokens)
 
     @cute.jit
-    def _reduce_split_k(self, acc, thr_mma, t_co, m_work, m_arrivals, s_last, m_tokens, bidx, bidy, bidz, tidx):
+    def _reduce_split_k(self, acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx):
         """Publish this CTA's partial and count it in; in the CTA that arrives last, replace ``acc`` with the sum
-        of every split's partial, in split order (``s_last[0] == split_k - 1`` there)."""
+        of every split's partial, in split order (``s_last[0] == split_k - 1`` there). Only real tokens' partials
+        are written and read (measured on H200: writing whole padded token tiles costs 0.5-0.8 us at low M)."""
         t = self.tactic
         tile_shape = (t.block_n, t.block_t)
         t_gp = thr_mma.partition_C(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy)))
@@ -375,14 +376,24 @@ class SkinnyGemm:
         cute.arch.sync_threads()
         if s_last[0] == t.split_k - 1:
             cute.arch.fence_acq_rel_gpu()
-            acc.fill(0.0)
+            # Every load is issued before the first add, so the last CTA waits for L2 about once, not per split
+            # (measured: 0.6 us less at M = 16). L2 loads (.cg): this SM's L1 may hold a stale copy of a line
+            # another CTA wrote since.
+            parts = []
             for s in cutlass.range_constexpr(t.split_k):
                 t_gs = thr_mma.partition_C(cute.local_tile(m_work[None, None, s], tile_shape, (bidx, bidy)))
-                for i in range(cute.size(acc)):
+                part = []
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    value = cutlass.Float32(0.0)
                     if cute.elem_less(t_co[i][1], m_tokens):
-                        # L2 loads (.cg): this SM's L1 may hold a stale copy of a line another CTA wrote since.
-                        ptr = t_gs.iterator + cute.crd2idx(i, t_gs.layout)
-                        acc[i] = acc[i] + cute.arch.load(ptr, cutlass.Float32, cop="cg")
+                        value = cute.arch.load(t_gs.iterator + cute.crd2idx(i, t_gs.layout), cutlass.Float32, cop="cg")
+                    part.append(value)
+                parts.append(part)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                total = parts[0][i]
+                for s in cutlass.range_constexpr(1, t.split_k):
+                    total = total + parts[s][i]
+                acc[i] = total
             if tidx == 0:
                 # Stream order makes the reset visible to the next kernel that uses these counters.
                 m_arrivals[tile] = 0
