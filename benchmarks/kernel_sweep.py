@@ -11,26 +11,24 @@ import time
 import torch
 
 from kda_backend.geometry import preset
-from kda_backend.kernels.compile_cache import KernelKey, compiled_gemms, target_arch
 from kda_backend.kernels.skinny_gemm import candidate_tactics, default_tactic
+from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import copy_bandwidth, graph_time_per_layer
 
 COPIES = 6
 
 
-def check(role, n, k, x_stride, m, tactic, dev):
-    key = KernelKey(tactic, n, k, x_stride, k, target_arch(dev))
-    kern = compiled_gemms.get(key)
+def check(n, k, x_stride, m, tactic, dev):
     base = torch.randn(m, x_stride, device=dev, dtype=torch.bfloat16)
     x = base[:, :k]
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
     out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-    kern(x, w, out.t())
+    launch(tactic, x, w, out)
     torch.cuda.synchronize()
     ref = x.float() @ w.float().t()
     err = ((out.float() - ref).norm() / ref.norm()).item()
     again = torch.full_like(out, float("nan"))
-    kern(x, w, again.t())
+    launch(tactic, x, w, again)
     ok = err < 1e-2 and not out.isnan().any().item() and torch.equal(out, again)
     return ok, err
 
@@ -56,7 +54,7 @@ def main():
                                ("fb", g.local_width, g.head_dim, g.fab_rows)):
             for m in (1, 3, 8, 13, 16, 24, 32, 64):
                 tac = default_tactic(n, k, m)
-                ok, err = check(role, n, k, xs, m, tac, dev)
+                ok, err = check(n, k, xs, m, tac, dev)
                 fails += not ok
                 if not ok or m in (1, 16):
                     print(f"check tp{tp} {role} N={n} K={k} M={m} {tac.key()} err={err:.2e} {'OK' if ok else 'FAIL'}", flush=True)
@@ -85,8 +83,8 @@ def main():
             cands = [c for c in cands if str(c.block_n) in args.block_n.split(",")]
         for tac in cands:
             try:
-                kern = compiled_gemms.get(KernelKey(tac, n, k, k, k, target_arch(dev)))
-                t = graph_time_per_layer(lambda i: kern(xs[i % COPIES], ws[i % COPIES], outs[i % COPIES].t()))
+                launch(tac, xs[0], ws[0], outs[0])  # compiles before capture
+                t = graph_time_per_layer(lambda i: launch(tac, xs[i % COPIES], ws[i % COPIES], outs[i % COPIES]))
                 results.append((t, tac))
             except Exception as exc:  # report and keep sweeping
                 print(f"  {tac.key()} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)

@@ -9,6 +9,9 @@ The sets are rows of one zero-initialised arena per device, allocated on first u
 ``prepare`` reserves it before any capture; inside a capture a missing arena is an error, like an uncompiled
 kernel). Handing a row to a stream first seen inside a capture (a side stream) is host bookkeeping only, so nothing
 is allocated or zeroed inside the graph.
+
+A captured graph keeps the row of the stream its split-K kernels were captured on. Graphs captured on the same
+stream therefore share a row, so they must not be replayed concurrently. The engines replay one graph at a time.
 """
 
 from __future__ import annotations
