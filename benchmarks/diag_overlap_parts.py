@@ -17,40 +17,33 @@ import torch
 from kda_backend.autotune import make_weight_copies
 from kda_backend.geometry import preset
 from kda_backend.kernels.skinny_gemm import default_tactic
-from kda_backend.overlap import OverlapScheduler
-from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
+from stage_operands import StageOperands, overlapped_time
 
 g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
-c = len(weights)
 aux = torch.cuda.Stream()
 variants = sys.argv[2].split(",") if len(sys.argv) > 2 else ["LL"]
 for m, variant in [(int(v), x_paths) for v in sys.argv[1].split(",") for x_paths in variants]:
     t_qkvg = dataclasses.replace(default_tactic(g.qkvg_rows, g.hidden_size, m), x_via_l1=variant[0] == "L")
     t_fab = dataclasses.replace(default_tactic(g.fab_rows, g.hidden_size, m), x_via_l1=variant[1] == "L")
     t_fb = default_tactic(g.local_width, g.head_dim, m)
-    xs = [torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
-    qkvg = [torch.empty(m, g.qkvg_rows, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
-    fab = [torch.empty(m, g.fab_rows, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
-    g1 = [torch.empty(m, g.local_width, device="cuda", dtype=torch.bfloat16) for _ in range(c)]
-    schedulers = [OverlapScheduler() for _ in range(24)]
+    ops = StageOperands(weights, m)
     sides = {
         "nothing": lambda i: None,
-        "fab": lambda i: launch(t_fab, xs[i % c], weights[i % c].w_fab, fab[i % c]),
-        "fab + fb": lambda i: (launch(t_fab, xs[i % c], weights[i % c].w_fab, fab[i % c]),
-                               launch(t_fb, fab[i % c][:, : g.head_dim], weights[i % c].w_fb, g1[i % c])),
+        "fab": lambda i: ops.fab_gemm(t_fab, i),
+        "fab + fb": lambda i: (ops.fab_gemm(t_fab, i), ops.fb_gemm(t_fb, i)),
     }
 
     def main(i):
-        launch(t_qkvg, xs[i % c], weights[i % c].w_qkvg, qkvg[i % c])
+        ops.qkvg_gemm(t_qkvg, i)
 
-    for i in range(c):  # compile everything before capture
+    for i in range(len(weights)):  # compile everything before capture
         main(i)
         for side in sides.values():
             side(i)
     alone = graph_time_per_layer(main) * 1e6
     print(f"M={m:2} {t_qkvg.key()} alone {alone:6.2f} us", flush=True)
     for name, side in sides.items():
-        t = graph_time_per_layer(lambda i, side=side: schedulers[i].run(lambda: main(i), lambda: side(i), aux)) * 1e6
+        t = overlapped_time(main, side, aux) * 1e6
         print(f"M={m:2} {t_qkvg.key()} || {t_fab.key()} {name:8} {t:6.2f} us (+{t - alone:5.2f})", flush=True)

@@ -124,19 +124,24 @@ def test_kernel_compiles_for_other_tp_sizes(tp):
         assert compile_gemm(KernelKey(default_tactic(n, k, 4), n, k, xs, k, "sm_90a")) is not None
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_ptx_targets_requested_architecture(arch, tmp_path):
+def _compile_and_dump(key: KernelKey, dump_dir, keep: str = "ptx") -> str:
+    """Compile ``key`` in a fresh process with the DSL keeping ``keep`` artifacts in ``dump_dir``; its PTX text."""
     code = (
         "from kda_backend.kernels.compile_cache import KernelKey, compile_gemm\n"
-        "from kda_backend.kernels.skinny_gemm import default_tactic\n"
-        f"compile_gemm(KernelKey(default_tactic(1536, 128, 1), 1536, 128, 144, 128, {arch!r}))\n"
+        "from kda_backend.kernels.skinny_gemm import Tactic\n"
+        f"compile_gemm({key!r})\n"
     )
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx,ir", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env = dict(os.environ, CUTE_DSL_KEEP=keep, CUTE_DSL_DUMP_DIR=str(dump_dir))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    ptx = list(tmp_path.glob("*.ptx"))
-    assert ptx, list(tmp_path.iterdir())
-    text = ptx[0].read_text()
+    ptx = list(dump_dir.glob("*.ptx"))
+    assert ptx, list(dump_dir.iterdir())
+    return ptx[0].read_text()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptx_targets_requested_architecture(arch, tmp_path):
+    text = _compile_and_dump(KernelKey(default_tactic(1536, 128, 1), 1536, 128, 144, 128, arch), tmp_path, "ptx,ir")
     assert f".target {arch}" in text
     assert "mma.sync.aligned.m16n8k16" in text and "cp.async" in text and "griddepcontrol.wait" in text
     host_ir = "".join(p.read_text() for p in tmp_path.glob("*.mlir"))
@@ -158,19 +163,12 @@ def test_split_k_kernel_reduces_in_kernel(arch, tmp_path):
     n, k, xs = _roles(8)["fab"]
     tactic = Tactic(block_n=16, block_k=128, block_t=16, stages=2, split_k=14)
     assert validate_tactic(tactic, n, k, xs) is None
-    code = (
-        "from kda_backend.kernels.compile_cache import KernelKey, compile_gemm\n"
-        "from kda_backend.kernels.skinny_gemm import Tactic\n"
-        f"compile_gemm(KernelKey({tactic!r}, {n}, {k}, {xs}, {k}, {arch!r}))\n"
-    )
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = next(tmp_path.glob("*.ptx")).read_text()
+    text = _compile_and_dump(KernelKey(tactic, n, k, xs, k, arch), tmp_path)
     publish = text.index("fence.acq_rel.gpu")
     arrive = text.index("atom.global.acq_rel.add")
     read_back = text.index("ld.global.cg")
-    assert publish < arrive < read_back
+    reset = text.index("], 0;", read_back)  # st.global of a literal 0 into the arrival counter
+    assert publish < arrive < read_back < reset
     assert text.count("ld.global.cg") == tactic.split_k * 8  # every split's partial, 8 accumulators per thread
 
 
