@@ -6,7 +6,7 @@ partials itself), and the whole chain (+ F_B, launched programmatically behind i
 
 Usage (GPU machine): python benchmarks/diag_overlap_parts.py 1,16 [LL,Ln,nL,nn]
 The optional second argument lists activation paths to compare: per variant one letter for QKVG, then one for
-F_A/beta; ``L`` loads x through L1 (the default tactics), ``n`` through L2 only.
+F_A/beta; ``L`` loads x through L1 (the default tactics), ``n`` through L2 only, ``T`` with the TMA unit.
 """
 
 import dataclasses
@@ -20,13 +20,15 @@ from kda_backend.kernels.skinny_gemm import default_tactic
 from kda_backend.timing import graph_time_per_layer
 from stage_operands import StageOperands, overlapped_time
 
+X_PATHS = {"L": {"x_via_l1": True}, "n": {"x_via_l1": False}, "T": {"x_via_l1": False, "x_tma": True}}
+
 g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
 aux = torch.cuda.Stream()
 variants = sys.argv[2].split(",") if len(sys.argv) > 2 else ["LL"]
 for m, variant in [(int(v), x_paths) for v in sys.argv[1].split(",") for x_paths in variants]:
-    t_qkvg = dataclasses.replace(default_tactic(g.qkvg_rows, g.hidden_size, m), x_via_l1=variant[0] == "L")
-    t_fab = dataclasses.replace(default_tactic(g.fab_rows, g.hidden_size, m), x_via_l1=variant[1] == "L")
+    t_qkvg = dataclasses.replace(default_tactic(g.qkvg_rows, g.hidden_size, m), **X_PATHS[variant[0]])
+    t_fab = dataclasses.replace(default_tactic(g.fab_rows, g.hidden_size, m), **X_PATHS[variant[1]])
     t_fb = default_tactic(g.local_width, g.head_dim, m)
     ops = StageOperands(weights, m)
     sides = {

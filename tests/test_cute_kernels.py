@@ -43,7 +43,6 @@ def test_block_t_buckets():
     "tactic,n,k,xs,match",
     [
         (Tactic(block_n=16), 100, 7168, 7168, "block_n=16 must be a multiple of 16 dividing N=100"),
-        (Tactic(block_n=48), 6144, 7168, 7168, "power of two"),
         (Tactic(block_k=96), 6144, 7168, 7168, "block_k=96"),
         (Tactic(block_k=256), 6144, 7040, 7040, "dividing K=7040"),
         (Tactic(block_t=8), 6144, 7168, 7168, "block_t=8"),
@@ -56,6 +55,19 @@ def test_block_t_buckets():
 def test_validate_tactic_reasons(tactic, n, k, xs, match):
     reason = validate_tactic(tactic, n, k, xs)
     assert reason is not None and match in reason
+
+
+def test_odd_row_tiles_split_tokens_between_warps():
+    """Copy passes cover a power-of-two row count (whole rows of 8-row swizzle atoms) for every block_n."""
+    assert Tactic(block_n=48).warp_grid == (1, 2) and Tactic(block_n=64).warp_grid == (4, 1)
+    assert Tactic(block_n=16).warp_grid == (1, 1)
+    for block_n in range(16, 257, 16):
+        for block_k in (64, 128, 256, 512):
+            tactic = Tactic(block_n=block_n, block_k=block_k)
+            lanes = block_k // 8
+            if tactic.threads >= lanes:
+                rows_per_pass = tactic.threads // lanes
+                assert block_n % rows_per_pass == 0 and (8 % rows_per_pass == 0 or rows_per_pass % 8 == 0)
 
 
 def test_candidates_are_valid_and_include_default():
@@ -122,6 +134,24 @@ def test_kernel_compiles_on_cpu(arch, role, m):
 def test_kernel_compiles_for_other_tp_sizes(tp):
     for n, k, xs in _roles(tp).values():
         assert compile_gemm(KernelKey(default_tactic(n, k, 4), n, k, xs, k, "sm_90a")) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("role", ["qkvg", "fab", "fb"])
+def test_tma_and_wide_tactics_compile_on_cpu(arch, role):
+    """The activation path by TMA (incl. split-K and F_B's strided input) and 48-row CTAs (two warps per token
+    tile) build for every architecture."""
+    n, k, xs = _roles(8)[role]
+    tactics = [Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True, split_k=14 if role == "fab" else 1)]
+    if role == "qkvg":
+        tactics += [Tactic(48, 256, 16, 5), Tactic(48, 256, 64, 3, x_via_l1=False, x_tma=True)]
+    for tactic in tactics:
+        assert validate_tactic(tactic, n, k, xs) is None
+        assert compile_gemm(KernelKey(tactic, n, k, xs, k, arch)) is not None
+
+
+def test_tma_excludes_l1_path():
+    assert "exclude each other" in validate_tactic(Tactic(x_via_l1=True, x_tma=True), 6144, 7168, 7168)
 
 
 def _compile_and_dump(key: KernelKey, dump_dir, keep: str = "ptx") -> str:

@@ -33,6 +33,51 @@ def test_misaligned_pointer_rejected_before_launch():
         CuteDslProvider().run("fab", x, w, out)
 
 
+@pytest.mark.parametrize("tactic", [Tactic(48, 256, 16, 6), Tactic(48, 128, 16, 12, x_via_l1=False),
+                                    Tactic(48, 256, 32, 4), Tactic(48, 256, 64, 3),
+                                    Tactic(16, 256, 16, 4, x_via_l1=False, x_tma=True),
+                                    Tactic(48, 256, 32, 4, x_via_l1=False, x_tma=True)],
+                         ids=lambda t: t.key())
+@pytest.mark.parametrize("m", [1, 9, 16, 40, 64], ids=lambda m: f"M{m}")
+def test_qkvg_tactics_match_reference(tactic, m):
+    """Tactics the autotuner may pick for QKVG: 48-row CTAs (one per SM for Kimi-K3 TP8) give each of two warps
+    half of every token tile; TMA activation loads arrive zero-filled past M. A tactic serves any M
+    (token tiles beyond its block_t spread over the grid)."""
+    g = preset("kimi-k3", 8)
+    provider = CuteDslProvider()
+    provider.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, block_t_for(m)): tactic})
+    x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(g.qkvg_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
+    out = torch.full((m, g.qkvg_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
+    provider.run("qkvg", x, w, out)
+    ref = x.float() @ w.float().t()
+    assert not out.isnan().any()
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
+def test_tma_activations_in_the_side_chain(m):
+    """TMA activation loads where the side chain needs them: split-K F_A/beta and F_B reading f_a inside the
+    wider F_A/beta output (a 288-byte row stride)."""
+    g = preset("kimi-k3", 8)
+    bucket = block_t_for(m)
+    provider = CuteDslProvider()
+    provider.add_tactics({
+        ("fab", g.fab_rows, g.hidden_size, bucket): Tactic(16, 128, bucket, 2, x_via_l1=False, x_tma=True, split_k=14),
+        ("fb", g.local_width, g.head_dim, bucket): Tactic(16, 128, bucket, 3, x_via_l1=False, x_tma=True),
+    })
+    x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w_fab = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
+    w_fb = torch.randn(*g.fb_shape, device="cuda", dtype=torch.bfloat16) * g.head_dim**-0.5
+    fab = torch.full((m, g.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g1 = torch.full((m, g.local_width), float("nan"), device="cuda", dtype=torch.bfloat16)
+    provider.run("fab", x, w_fab, fab)
+    provider.run("fb", fab[:, : g.head_dim], w_fb, g1)
+    for out, ref in ((fab, x.float() @ w_fab.float().t()), (g1, fab[:, : g.head_dim].float() @ w_fb.float().t())):
+        assert not out.isnan().any()
+        assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
 def _fab_provider(split_k: int, m: int) -> CuteDslProvider:
     g = preset("kimi-k3", 8)
     provider = CuteDslProvider()

@@ -6,10 +6,13 @@ at or past M are never loaded and read as zeros) and walks the whole K extent. T
 weights, so everything serves keeping weight bytes in flight:
 
 - ``stages`` K-tiles of ``[block_n, block_k]`` weights and ``[block_t, block_k]`` activations are in flight through
-  ``cp.async`` (16-byte, L2-only) into a swizzled shared-memory ring; one barrier per K-tile.
-- Tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 accumulate) via ``ldmatrix``; warps split the weight rows, so
-  there is no cross-warp reduction and no floating-point atomics: results are bitwise deterministic (split-K sums
-  its partials in split order inside the kernel, see :class:`Tactic`).
+  ``cp.async`` (16-byte, L2-only) into a swizzled shared-memory ring; one barrier per K-tile. Activations may
+  instead come by TMA (:attr:`Tactic.x_tma`).
+- Tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 accumulate) via ``ldmatrix``; warps split the weight rows (and
+  the tokens, for an odd number of 16-row tiles), so there is no cross-warp reduction and no floating-point
+  atomics: results are bitwise deterministic (split-K sums its partials in split order inside the kernel, see
+  :class:`Tactic`).
+- The output tile leaves through shared memory as 16-byte runs of one token's rows.
 - Programmatic dependent launch: weight tiles of the prologue are issued before ``griddepcontrol.wait``, so they
   stream while the previous kernel (which produced x) drains; only activation loads wait for it.
 - Activations are loaded once per CTA per K-tile (each x element read ``N / block_n`` times in total, from L2).
@@ -22,7 +25,6 @@ Shapes N, K and the row strides are compile-time constants; M is a runtime value
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -53,6 +55,9 @@ class Tactic:
         sums the partials in split order (deterministic whichever CTA is last), writes the output and resets the
         counter. The reduction stays inside the kernel so the side chain is F_A/beta -> F_B, two kernels, and F_B
         launches programmatically behind it (a separate reduction kernel made the chain end after QKVG's).
+    :param x_tma: load activations with the TMA unit: one bulk tensor copy per K-tile, issued by one thread and
+        completed on a per-slot mbarrier (rows past M arrive zero-filled), instead of 16-byte ``cp.async`` by every
+        thread. Cuts the activation loads' instructions and predicates, which grow with M.
     """
 
     block_n: int = 64
@@ -62,12 +67,21 @@ class Tactic:
     pdl: bool = True
     x_via_l1: bool = True
     split_k: int = 1
+    x_tma: bool = False
+
+    @property
+    def warp_grid(self) -> tuple[int, int]:
+        """(warps along weight rows, warps along tokens). Warps split the 16-row MMA tiles, at most 4 of them; an
+        odd number of tiles (48 rows: one CTA per SM for Kimi-K3 QKVG) leaves one warp on the rows, so a second
+        takes half of each 16-token tile, which keeps the copy passes at a power-of-two row count."""
+        rows = self.block_n // MMA_SHAPE[0]
+        along_rows = max(w for w in (4, 2, 1) if rows % w == 0)
+        return along_rows, 2 if along_rows == 1 and rows > 1 else 1
 
     @property
     def warps(self) -> int:
-        """Warps split the weight rows, 16 rows per warp per MMA; at most 4."""
-        rows = self.block_n // MMA_SHAPE[0]
-        return max(w for w in (4, 2, 1) if rows % w == 0)
+        along_rows, along_tokens = self.warp_grid
+        return along_rows * along_tokens
 
     @property
     def threads(self) -> int:
@@ -75,13 +89,18 @@ class Tactic:
 
     def smem_bytes(self) -> int:
         ring = self.stages * (self.block_n + self.block_t) * self.block_k * 2
-        return ring + (SPLIT_K_FLAG_BYTES if self.split_k > 1 else 0)
+        barriers = -(-self.stages * 8 // 128) * 128 if self.x_tma else 0  # one 8-byte mbarrier per slot
+        return ring + self.epilogue_bytes() + barriers + (SPLIT_K_FLAG_BYTES if self.split_k > 1 else 0)
+
+    def epilogue_bytes(self) -> int:
+        """The bf16 output tile, staged in shared memory so it leaves in 16-byte stores."""
+        return self.block_n * self.block_t * 2
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
         return (
             f"n{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}"
-            f"{'p' if self.pdl else ''}{'L' if self.x_via_l1 else ''}"
+            f"{'p' if self.pdl else ''}{'L' if self.x_via_l1 else ''}{'T' if self.x_tma else ''}"
         )
 
 
@@ -95,10 +114,10 @@ def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | 
         return f"block_t={tactic.block_t} must be 16, 32 or 64"
     if tactic.stages < 2:
         return f"stages={tactic.stages} must be >= 2"
+    if tactic.x_tma and tactic.x_via_l1:
+        return "x_tma and x_via_l1 exclude each other (TMA loads bypass L1)"
     if tactic.split_k < 1 or (k // tactic.block_k) % tactic.split_k:
         return f"split_k={tactic.split_k} must divide the {k // tactic.block_k} K-tiles"
-    if tactic.block_n & (tactic.block_n - 1):
-        return f"block_n={tactic.block_n} must be a power of two (copy passes must align with 8-row swizzle atoms)"
     lanes_per_row = tactic.block_k // ELEMS_PER_COPY
     if tactic.threads < lanes_per_row:
         return f"{tactic.threads} threads cannot cover a row of {lanes_per_row} 16-byte vectors"
@@ -150,24 +169,15 @@ def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]
             tactic = Tactic(16, 128, block_t, stages, split_k=split_k)
             if split_k > 1 and validate_tactic(tactic, n, k, x_row_stride) is None:
                 found.append(tactic)
-    for block_n in (16, 32, 64):
+    x_paths = ({"x_via_l1": False}, {"x_via_l1": True}, {"x_via_l1": False, "x_tma": True})
+    for block_n in (16, 32, 48, 64):
         for block_k in (128, 256, 512):
             for stages in (2, 3, 4, 6):
-                for x_via_l1 in (False, True):
-                    tactic = Tactic(block_n, block_k, block_t, stages, x_via_l1=x_via_l1)
+                for x_path in x_paths:
+                    tactic = Tactic(block_n, block_k, block_t, stages, **x_path)
                     if validate_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     return found
-
-
-@cute.jit
-def store_tokens(acc: cute.Tensor, t_go: cute.Tensor, t_co: cute.Tensor, m_tokens) -> None:
-    """Cast a thread's fp32 accumulator to the output dtype and write the elements of real tokens (column < M)."""
-    out = cute.make_fragment_like(acc, t_go.element_type)
-    out.store(acc.load().to(t_go.element_type))
-    for i in range(cute.size(out)):
-        if cute.elem_less(t_co[i][1], m_tokens):
-            t_go[i] = out[i]
 
 
 class SkinnyGemm:
@@ -181,14 +191,15 @@ class SkinnyGemm:
         self.n, self.k = n, k
         self.x_row_stride, self.w_row_stride = x_row_stride, w_row_stride
 
-    def _smem_layout(self, rows: int) -> cute.ComposedLayout:
-        """K-major ``[rows, block_k, stages]`` ring, swizzled so ldmatrix reads are bank-conflict free."""
+    def _smem_layout(self, rows: int, for_tma: bool = False) -> cute.ComposedLayout:
+        """K-major ``[rows, block_k, stages]`` ring, swizzled so ldmatrix reads are bank-conflict free: 128-byte
+        rows of 8-row atoms, 16-byte chunks XOR-ed by the row. The same swizzle two ways: on element offsets
+        (cp.async rings), or with ``for_tma`` on byte addresses, the form the TMA unit's 128-byte swizzle mode is
+        recognised in (the tensor then carries it on its pointer, see :meth:`kernel`)."""
         t = self.tactic
-        atom_k = 64
-        swizzle_bits = int(math.log2(atom_k * 16 // COPY_BITS))
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(min(swizzle_bits, 3), 3, 3), 0, cute.make_layout((8, atom_k), stride=(atom_k, 1))
-        )
+        atom_k = 128 * 8 // 16  # bf16 elements per 128-byte row
+        swizzle = cute.make_swizzle(3, 4, 3) if for_tma else cute.make_swizzle(3, 3, 3)
+        atom = cute.make_composed_layout(swizzle, 0, cute.make_layout((8, atom_k), stride=(atom_k, 1)))
         return cute.tile_to_shape(atom, (rows, t.block_k, t.stages), (0, 1, 2))
 
     def _g2s_copy(self, dtype, via_l1: bool) -> cute.TiledCopy:
@@ -222,17 +233,24 @@ class SkinnyGemm:
     def _launch(self, m_x, m_w, m_out_t, m_work, m_arrivals, stream):
         t = self.tactic
         dtype = m_w.element_type
+        along_rows, along_tokens = t.warp_grid
         mma = cute.make_tiled_mma(
             cute.nvgpu.warp.MmaF16BF16Op(dtype, cutlass.Float32, MMA_SHAPE),
-            cute.make_layout((t.warps, 1, 1)),
-            permutation_mnk=(t.warps * MMA_SHAPE[0], 2 * MMA_SHAPE[1], MMA_SHAPE[2]),
+            cute.make_layout((along_rows, along_tokens, 1)),
+            permutation_mnk=(along_rows * MMA_SHAPE[0], 2 * MMA_SHAPE[1], MMA_SHAPE[2]),
         )
         s_w_layout = self._smem_layout(t.block_n)
-        s_x_layout = self._smem_layout(t.block_t)
+        s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
         grid = (self.n // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         g2s_w = self._g2s_copy(dtype, False)
-        g2s_x = self._g2s_copy(dtype, t.x_via_l1)
-        self.kernel(m_x, m_w, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, g2s_w, g2s_x, mma).launch(
+        if cutlass.const_expr(t.x_tma):
+            # The descriptor is encoded per call from m_x, so it covers this call's M (rows past it read as zero).
+            x_copy, x_src = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_layout, (t.block_t, t.block_k)
+            )
+        else:
+            x_copy, x_src = self._g2s_copy(dtype, t.x_via_l1), m_x
+        self.kernel(m_x, m_w, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma).launch(
             grid=grid,
             block=[t.threads, 1, 1],
             smem=t.smem_bytes(),
@@ -251,9 +269,12 @@ class SkinnyGemm:
         s_w_layout: cute.ComposedLayout,
         s_x_layout: cute.ComposedLayout,
         g2s_w: cute.TiledCopy,
-        g2s_x: cute.TiledCopy,
+        x_copy: cute.TiledCopy | cute.CopyAtom,
+        x_src: cute.Tensor,
         mma: cute.TiledMma,
     ):
+        """``x_copy`` / ``x_src``: the cp.async tiled copy and ``m_x``, or with ``x_tma`` the TMA atom and its
+        coordinate tensor over ``m_x``."""
         t = self.tactic
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, bidz = cute.arch.block_idx()
@@ -263,36 +284,55 @@ class SkinnyGemm:
 
         # Tiles of this CTA: gW (block_n, block_k, k_tiles), gX (block_t, block_k, k_tiles), gO (block_n, block_t)
         g_w = cute.local_tile(m_w, (t.block_n, t.block_k), (bidx, None))
-        g_x = cute.local_tile(m_x, (t.block_t, t.block_k), (bidy, None))
+        g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (bidy, None))
         g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
         c_x = cute.local_tile(cute.make_identity_tensor(m_x.shape), (t.block_t, t.block_k), (bidy, None))
         c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
 
         smem = cutlass.memory.SmemAllocator()
         s_w = smem.allocate_tensor(m_w.element_type, s_w_layout, 128)
-        s_x = smem.allocate_tensor(m_x.element_type, s_x_layout, 128)
+        if cutlass.const_expr(t.x_tma):
+            s_x = smem.allocate_tensor(m_x.element_type, s_x_layout.outer, 128, swizzle=s_x_layout.inner)
+        else:
+            s_x = smem.allocate_tensor(m_x.element_type, s_x_layout, 128)
+        # Output tile staging, token-major like out (rows of one token contiguous).
+        s_o = smem.allocate_tensor(
+            m_out_t.element_type, cute.make_layout((t.block_n, t.block_t), stride=(1, t.block_n)), 16
+        )
 
         thr_g2s_w = g2s_w.get_slice(tidx)
         t_gw = thr_g2s_w.partition_S(g_w)
         t_sw = thr_g2s_w.partition_D(s_w)
-        thr_g2s_x = g2s_x.get_slice(tidx)
-        t_gx = thr_g2s_x.partition_S(g_x)
-        t_sx = thr_g2s_x.partition_D(s_x)
-        t_cx = thr_g2s_x.partition_S(c_x)
-
-        # Token rows at or past M are never loaded; zero-filled once, they stay zero in every stage.
-        # Predicates per (vector, row, k-vector) with the K mode broadcast (stride 0).
-        p_x = cute.make_rmem_tensor(
-            cute.make_layout(
-                (t_sx.shape[0][1], cute.size(t_sx, mode=[1]), cute.size(t_sx, mode=[2])),
-                stride=(cute.size(t_sx, mode=[1]), 1, 0),
-            ),
-            cutlass.Boolean,
-        )
-        for v in range(p_x.shape[0]):
-            for r in range(p_x.shape[1]):
-                p_x[v, r, 0] = cute.elem_less(t_cx[(0, v), r, 0, 0][0], m_tokens)
-        t_sx.fill(0)
+        if cutlass.const_expr(t.x_tma):
+            t_sx, t_gx = cute.nvgpu.cpasync.tma_partition(
+                x_copy, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
+            )
+            p_x = None
+            x_full = smem.allocate_array(cutlass.Int64, t.stages, byte_alignment=8)  # "slot s holds its x tile"
+            if tidx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(x_copy)
+                for s in cutlass.range_constexpr(t.stages):
+                    cute.arch.mbarrier_init(x_full + s, 1)
+            cute.arch.mbarrier_init_fence()
+        else:
+            thr_g2s_x = x_copy.get_slice(tidx)
+            t_gx = thr_g2s_x.partition_S(g_x)
+            t_sx = thr_g2s_x.partition_D(s_x)
+            t_cx = thr_g2s_x.partition_S(c_x)
+            x_full = None
+            # Token rows at or past M are never loaded; zero-filled once, they stay zero in every stage.
+            # Predicates per (vector, row, k-vector) with the K mode broadcast (stride 0).
+            p_x = cute.make_rmem_tensor(
+                cute.make_layout(
+                    (t_sx.shape[0][1], cute.size(t_sx, mode=[1]), cute.size(t_sx, mode=[2])),
+                    stride=(cute.size(t_sx, mode=[1]), 1, 0),
+                ),
+                cutlass.Boolean,
+            )
+            for v in range(p_x.shape[0]):
+                for r in range(p_x.shape[1]):
+                    p_x[v, r, 0] = cute.elem_less(t_cx[(0, v), r, 0, 0][0], m_tokens)
+            t_sx.fill(0)
         cute.arch.sync_threads()
 
         # Prologue: weights need nothing from the previous kernel, so they start before the PDL wait. Group s
@@ -307,7 +347,7 @@ class SkinnyGemm:
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                cute.copy(g2s_x, t_gx[None, None, None, k_first + s], t_sx[None, None, None, s], pred=p_x)
+                self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_first + s, s, tidx)
             cute.arch.cp_async_commit_group()
 
         thr_mma = mma.get_slice(tidx)
@@ -321,8 +361,10 @@ class SkinnyGemm:
         s2r_w = cute.make_tiled_copy_A(
             cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), m_w.element_type), mma
         )
+        # A warp reads its tokens' 16-element K slice as 8x8 matrices: four for 16 tokens, two for 8.
+        x_matrices = 4 // t.warp_grid[1]
         s2r_x = cute.make_tiled_copy_B(
-            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), m_x.element_type), mma
+            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, x_matrices), m_x.element_type), mma
         )
         thr_s2r_w = s2r_w.get_slice(tidx)
         thr_s2r_x = s2r_x.get_slice(tidx)
@@ -334,13 +376,16 @@ class SkinnyGemm:
 
         for k_tile in range(k_tiles):
             cute.arch.cp_async_wait_group(t.stages - 2)
+            if cutlass.const_expr(t.x_tma):
+                cute.arch.mbarrier_wait(x_full + k_tile % t.stages, (k_tile // t.stages) % 2)
             cute.arch.sync_threads()
             # The slot refilled now was consumed in the previous iteration; the barrier above protects it.
             nxt = k_tile + t.stages - 1
             if nxt < k_tiles:
                 slot = nxt % t.stages
-                cute.copy(g2s_w, t_gw[None, None, None, k_first + nxt], t_sw[None, None, None, slot])
-                cute.copy(g2s_x, t_gx[None, None, None, k_first + nxt], t_sx[None, None, None, slot], pred=p_x)
+                k_load = k_first + nxt
+                cute.copy(g2s_w, t_gw[None, None, None, k_load], t_sw[None, None, None, slot])
+                self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx)
             cute.arch.cp_async_commit_group()
             read = k_tile % t.stages
             for kb in cutlass.range(k_blocks, unroll_full=True):
@@ -353,9 +398,40 @@ class SkinnyGemm:
             self._reduce_split_k(acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx)
             # Only the CTA that arrived last holds the full sum; the others are done.
             if s_last[0] == t.split_k - 1:
-                store_tokens(acc, t_go, t_co, m_tokens)
+                self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
         else:
-            store_tokens(acc, t_go, t_co, m_tokens)
+            self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+
+    @cute.jit
+    def _load_x(self, x_copy, t_gx, t_sx, p_x, x_full, k, slot, tidx):
+        """Start loading activation K-tile ``k`` into ring slot ``slot`` (see :attr:`Tactic.x_tma`)."""
+        t = self.tactic
+        if cutlass.const_expr(t.x_tma):
+            # Warp 0 only: the TMA copy elects one lane itself (elect.sync needs the whole warp present).
+            if tidx < 32:
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(x_full + slot, t.block_t * t.block_k * 2)
+                cute.copy(x_copy, t_gx[None, k], t_sx[None, slot], tma_bar_ptr=x_full + slot)
+        else:
+            cute.copy(x_copy, t_gx[None, None, None, k], t_sx[None, None, None, slot], pred=p_x)
+
+    @cute.jit
+    def _store_tile(self, acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx):
+        """Write the accumulator as the output dtype, real tokens only. The MMA fragment holds scattered 2-byte
+        elements (neighbours belong to other tokens), so it goes through shared memory and leaves as 16-byte runs
+        of one token's rows (measured on H200: the 2-byte stores cost 0.5 us of QKVG alone at M = 16)."""
+        t = self.tactic
+        t_so = thr_mma.partition_C(s_o)
+        t_so.store(acc.load().to(s_o.element_type))
+        cute.arch.sync_threads()
+        vec = (ELEMS_PER_COPY, 1)
+        v_s, v_g, v_c = cute.zipped_divide(s_o, vec), cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_o.element_type, num_bits_per_copy=COPY_BITS)
+        vectors = t.block_n * t.block_t // ELEMS_PER_COPY
+        for j in cutlass.range_constexpr((vectors + t.threads - 1) // t.threads):
+            i = j * t.threads + tidx
+            if i < vectors and cute.elem_less(v_c[(0, i)][1], m_tokens):
+                cute.copy(store, v_s[(None, i)], v_g[(None, i)])
 
     @cute.jit
     def _reduce_split_k(self, acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx):
