@@ -26,7 +26,8 @@ def activations(m: int, live_tokens: int) -> list[torch.Tensor]:
 
 def clocks() -> str:
     query = "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
-    return subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True,
+                          check=False).stdout.strip()
 
 
 g = preset("kimi-k3", 8)

@@ -10,12 +10,12 @@ Usage (GPU machine): python benchmarks/diag_x_residency.py 1,8,16
 import sys
 
 import torch
+from stage_operands import StageOperands, overlapped_time
 
 from kda_backend.autotune import make_weight_copies
 from kda_backend.geometry import preset
 from kda_backend.kernels.skinny_gemm import default_tactic
 from kda_backend.timing import graph_time_per_layer
-from stage_operands import StageOperands, overlapped_time
 
 g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
@@ -29,10 +29,10 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
         if residency == "shared":
             ops.xs = [ops.xs[0]] * len(weights)
 
-        def main(i, ops=ops):
+        def main(i, ops=ops, t_qkvg=t_qkvg):
             ops.qkvg_gemm(t_qkvg, i)
 
-        def side(i, ops=ops):
+        def side(i, ops=ops, t_fab=t_fab, t_fb=t_fb):
             ops.fab_gemm(t_fab, i)
             ops.fb_gemm(t_fb, i)
 

@@ -1,4 +1,4 @@
-"""Shared by the stage diagnostics (``diag_overlap_parts.py``, ``diag_qkvg_split.py``): rotating per-layer operands
+"""Shared by the stage diagnostics (``diag_overlap_parts.py``, ``diag_qkvg_tactics.py``): rotating per-layer operands
 of the projection stage at M tokens, the three GEMMs on them, and timing QKVG with a side chain forked beside it."""
 
 from __future__ import annotations

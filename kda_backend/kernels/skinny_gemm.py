@@ -47,8 +47,7 @@ class Tactic:
     :param stages: K-tiles in flight.
     :param pdl: launch with programmatic dependent launch; the next kernel may launch as soon as this one has
         issued its prologue (measured on H200: 2-8% faster than releasing it after the main loop).
-    :param x_via_l1: load activations through L1 (``cp.async.ca``) so CTAs sharing an SM share them; pays at
-        larger M where activation traffic rivals the weights'.
+    :param x_via_l1: load activations through L1 (``cp.async.ca``) so CTAs sharing an SM can share them.
     :param split_k: CTAs sharing one output tile along K (grid z). Gives a skinny-N GEMM (F_A/beta) many small
         CTAs, which fit beside the QKVG kernel's CTAs when both run concurrently. Each CTA writes an fp32 partial
         to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival counter; the last to arrive
