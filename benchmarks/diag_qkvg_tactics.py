@@ -1,32 +1,20 @@
 """Diagnostic: QKVG tactics against the default, alone and inside the overlapped stage (TP8; F_A/beta and F_B on
-their default tactics). Tactics are named by their keys without the token tile, which follows M
-(``n48k256s6pL`` = 48 rows, 256-element K-tiles, 6 stages, PDL, x via L1; ``x2`` = split-K 2, ``T`` = x by TMA).
+their default tactics). Tactics are named by their keys without the token tile, which follows M (see
+``stage_operands.parse_tactic``).
 
-Usage (GPU machine): python benchmarks/diag_qkvg_tactics.py 1,8,16 n48k256s6p,n32k128s4x2pL
+Usage (GPU machine): python benchmarks/diag_qkvg_tactics.py 1,8,16 n48k256s6p,n32k128s4x2pL [F_A/beta key]
+(the optional third argument replaces F_A/beta's default tactic in the side chain)
 """
 
-import re
 import sys
 
 import torch
 
 from kda_backend.autotune import make_weight_copies
 from kda_backend.geometry import preset
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic
+from kda_backend.kernels.skinny_gemm import default_tactic
 from kda_backend.timing import copy_bandwidth, graph_time_per_layer
-from stage_operands import StageOperands, overlapped_time
-
-KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)")
-
-
-def parse(spec: str, m: int) -> Tactic:
-    match = KEY.fullmatch(spec)
-    if match is None:
-        raise SystemExit(f"tactic {spec!r} does not read as n<rows>k<block_k>s<stages>[x<split>][p][L][T]")
-    rows, block_k, stages, split, pdl, l1, tma = match.groups()
-    return Tactic(int(rows), int(block_k), block_t_for(m), int(stages), pdl == "p", l1 == "L", int(split or 1),
-                  tma == "T")
-
+from stage_operands import StageOperands, overlapped_time, parse_tactic as parse
 
 g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
@@ -35,7 +23,7 @@ bandwidth = copy_bandwidth()
 qkvg_floor = weights[0].w_qkvg.numel() * 2 / bandwidth * 1e6
 print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, QKVG floor {qkvg_floor:.2f} us", flush=True)
 for m in [int(v) for v in sys.argv[1].split(",")]:
-    t_fab = default_tactic(g.fab_rows, g.hidden_size, m)
+    t_fab = parse(sys.argv[3], m) if len(sys.argv) > 3 else default_tactic(g.fab_rows, g.hidden_size, m)
     t_fb = default_tactic(g.local_width, g.head_dim, m)
     ops = StageOperands(weights, m)
 

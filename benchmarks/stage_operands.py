@@ -1,19 +1,33 @@
-"""Shared by the stage diagnostics (``diag_overlap_parts.py``, ``diag_qkvg_tactics.py``): rotating per-layer operands
-of the projection stage at M tokens, the three GEMMs on them, and timing QKVG with a side chain forked beside it."""
+"""Shared by the stage diagnostics (``diag_overlap_parts.py``, ``diag_qkvg_tactics.py``, ``diag_stage_timeline.py``):
+rotating per-layer operands of the projection stage at M tokens, the three GEMMs on them, timing QKVG with a side
+chain forked beside it, and tactics named on the command line."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
 
-from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
 
 LAYERS = 24  # layers per timed graph (graph_time_per_layer's default)
+TACTIC_KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)")
+
+
+def parse_tactic(spec: str, m: int) -> Tactic:
+    """A tactic from its key without the token tile, which follows ``m``: ``n48k256s6pL`` = 48 rows, 256-element
+    K-tiles, 6 stages, PDL, x via L1; ``x2`` = split-K 2, ``T`` = x by TMA."""
+    match = TACTIC_KEY.fullmatch(spec)
+    if match is None:
+        raise SystemExit(f"tactic {spec!r} does not read as n<rows>k<block_k>s<stages>[x<split>][p][L][T]")
+    rows, block_k, stages, split, pdl, l1, tma = match.groups()
+    return Tactic(int(rows), int(block_k), block_t_for(m), int(stages), pdl == "p", l1 == "L", int(split or 1),
+                  tma == "T")
 
 
 class StageOperands:
