@@ -2,8 +2,8 @@
 their default tactics). Tactics are named by their keys without the token tile, which follows M (see
 ``stage_operands.parse_tactic``).
 
-Usage (GPU machine): python benchmarks/diag_qkvg_tactics.py 1,8,16 n48k256s6p,n32k128s4x2pL [F_A/beta key]
-(the optional third argument replaces F_A/beta's default tactic in the side chain)
+Usage (GPU machine): python benchmarks/diag_qkvg_tactics.py 1,8,16 n48k256s6p,n32k128s4x2pL [F_A/beta [F_B]]
+(the optional third and fourth arguments replace F_A/beta's and F_B's default tactics in the side chain)
 """
 
 import sys
@@ -24,7 +24,7 @@ qkvg_floor = weights[0].w_qkvg.numel() * 2 / bandwidth * 1e6
 print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, QKVG floor {qkvg_floor:.2f} us", flush=True)
 for m in [int(v) for v in sys.argv[1].split(",")]:
     t_fab = parse(sys.argv[3], m) if len(sys.argv) > 3 else default_tactic(g.fab_rows, g.hidden_size, m)
-    t_fb = default_tactic(g.local_width, g.head_dim, m)
+    t_fb = parse(sys.argv[4], m) if len(sys.argv) > 4 else default_tactic(g.local_width, g.head_dim, m)
     ops = StageOperands(weights, m)
 
     def side(i):

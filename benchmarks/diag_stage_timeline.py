@@ -7,7 +7,7 @@ per-layer buffer passed as the arrival-counter argument (after split-K's own cou
 relative to the release of the layer's first QKVG PDL wait, summarised over the middle layers of one graph replay
 of 24 layers; with ``OUT`` set, the raw records are saved there too.
 
-Usage (GPU machine): python benchmarks/diag_stage_timeline.py 1,16 [QKVG tactic key, e.g. n48k256s5p]
+Usage (GPU machine): python benchmarks/diag_stage_timeline.py 1,16 [QKVG [F_A/beta [F_B]]] (tactic keys, e.g. n48k256s5p)
 """
 
 import importlib.util
@@ -149,8 +149,8 @@ def main():
     for m in [int(v) for v in sys.argv[1].split(",")]:
         ops = StageOperands(weights, m)
         t_q = parse_tactic(sys.argv[2], m) if len(sys.argv) > 2 else default_tactic(g.qkvg_rows, g.hidden_size, m)
-        t_fab = default_tactic(g.fab_rows, g.hidden_size, m)
-        t_fb = default_tactic(g.local_width, g.head_dim, m)
+        t_fab = parse_tactic(sys.argv[3], m) if len(sys.argv) > 3 else default_tactic(g.fab_rows, g.hidden_size, m)
+        t_fb = parse_tactic(sys.argv[4], m) if len(sys.argv) > 4 else default_tactic(g.local_width, g.head_dim, m)
         qkvg = TimedGemm(module, t_q, g.qkvg_rows, g.hidden_size, g.hidden_size, m)
         fab = TimedGemm(module, t_fab, g.fab_rows, g.hidden_size, g.hidden_size, m)
         fb = TimedGemm(module, t_fb, g.local_width, g.head_dim, g.fab_rows, m)

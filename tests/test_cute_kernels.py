@@ -186,6 +186,25 @@ def test_skinny_n_is_split_along_k():
     assert default_tactic(6144, 7168, 1).split_k == 1
 
 
+def test_side_chain_is_retuned_in_the_stage_among_neighbours():
+    """The autotuner's in-stage pass for F_A/beta and F_B tries the tactic that won alone first, then the same tile
+    shape with one stage more or fewer or the other activation path, e.g. split-K F_A/beta with 3 stages."""
+    from kda_backend.autotune import _neighbours
+
+    g = preset("kimi-k3", 8)
+    for n, k, xs in ((g.fab_rows, g.hidden_size, g.hidden_size), (g.local_width, g.head_dim, g.fab_rows)):
+        alone = default_tactic(n, k, 16)
+        near = _neighbours(alone, candidate_tactics(n, k, 16, xs))
+        assert near[0] == alone and len(set(near)) == len(near) > 1
+        for t in near[1:]:
+            assert (t.block_n, t.block_k, t.split_k) == (alone.block_n, alone.block_k, alone.split_k)
+            assert abs(t.stages - alone.stages) <= 1
+    two_stages = dataclasses.replace(default_tactic(g.fab_rows, g.hidden_size, 16), stages=2)
+    near = _neighbours(two_stages, candidate_tactics(g.fab_rows, g.hidden_size, 16, g.hidden_size))
+    for via_l1 in (True, False):
+        assert dataclasses.replace(two_stages, stages=3, x_via_l1=via_l1) in near
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_split_k_kernel_reduces_in_kernel(arch, tmp_path):
     """The split-K kernel publishes partials, counts CTAs in with a device-scope atomic and the last one reads the

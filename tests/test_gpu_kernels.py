@@ -78,20 +78,21 @@ def test_tma_activations_in_the_side_chain(m):
         assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
 
 
-def _fab_provider(split_k: int, m: int) -> CuteDslProvider:
+def _fab_provider(split_k: int, m: int, stages: int = 3) -> CuteDslProvider:
     g = preset("kimi-k3", 8)
     provider = CuteDslProvider()
     provider.add_tactics({("fab", g.fab_rows, g.hidden_size, block_t_for(m)):
-                          Tactic(16, 128, block_t_for(m), 2, split_k=split_k)})
+                          Tactic(16, 128, block_t_for(m), stages, split_k=split_k)})
     return provider
 
 
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("split_k", [1, 2, 7, 14])
 @pytest.mark.parametrize("m", [1, 5, 16, 40])
-def test_split_k_matches_reference_and_is_deterministic(split_k, m):
+def test_split_k_matches_reference_and_is_deterministic(split_k, m, stages):
     """The in-kernel split-K reduction: right sums, the same bits every run, arrival counters left at zero."""
     g = preset("kimi-k3", 8)
-    provider = _fab_provider(split_k, m)
+    provider = _fab_provider(split_k, m, stages)
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
     outs = []
