@@ -84,8 +84,8 @@ def tune_tactics(
     2. QKVG inside the overlapped stage, because a tactic that is fastest alone can hold so much shared memory
        that the side chain cannot run beside it;
     3. the side chain's GEMMs again inside the stage, among neighbours of their fastest alone: what overlaps best
-       is not what runs fastest alone (measured on H200 for Kimi-K3 TP8: a 3-stage F_A/beta makes the stage
-       0.2-0.3 us faster than the 2-stage one that wins alone).
+       need not be what runs fastest alone (measured on H200 for Kimi-K3 TP8: F_A/beta with 2 or 3 stages times
+       the same alone, but with 3 the stage is 0.2-0.3 us faster).
     """
     table: TacticTable = {}
     shapes = _role_shapes(geometry)
