@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-import kda_backend.kernels.skinny_gemm as skinny_gemm
 from kda_backend.autotune import make_weight_copies
 from kda_backend.geometry import preset
-from kda_backend.kernels import compile_cache
+from kda_backend.kernels import compile_cache, skinny_gemm
 from kda_backend.kernels.skinny_gemm import default_tactic
 from kda_backend.overlap import OverlapScheduler
+from kda_backend.timing import graph_time_per_layer
 from stage_operands import LAYERS, StageOperands, parse_tactic
 
 WORDS = 4  # int32 words per CTA: start, after PDL wait, end, SM id
@@ -36,14 +36,16 @@ PATCHES = [
     ("            cute.arch.griddepcontrol_launch_dependents()\n", "        t_wait = cute.arch.globaltimer_lo()\n"),
     (
         "        else:\n            self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)\n",
-        "        if tidx == 0:\n"
-        "            gx, gy, _ = cute.arch.grid_dim()\n"
         # after the split-K arrival counters (one per output tile), which live in the same buffer
-        f"            base = gx * gy * (1 if t.split_k > 1 else 0) + ((bidz * gy + bidy) * gx + bidx) * {WORDS}\n"
-        "            m_arrivals[base] = t_start\n"
-        "            m_arrivals[base + 1] = t_wait\n"
-        "            m_arrivals[base + 2] = cute.arch.globaltimer_lo()\n"
-        "            m_arrivals[base + 3] = cute.arch.smid()\n"
+        (
+            "        if tidx == 0:\n"
+            "            gx, gy, _ = cute.arch.grid_dim()\n"
+            f"            base = gx * gy * (1 if t.split_k > 1 else 0) + ((bidz * gy + bidy) * gx + bidx) * {WORDS}\n"
+            "            m_arrivals[base] = t_start\n"
+            "            m_arrivals[base + 1] = t_wait\n"
+            "            m_arrivals[base + 2] = cute.arch.globaltimer_lo()\n"
+            "            m_arrivals[base + 3] = cute.arch.smid()\n"
+        ),
     ),
 ]
 
@@ -140,6 +142,42 @@ class TimedGemm:
         return self.buffers[i][self.words:].view(-1, WORDS)
 
 
+def timeline_at(m, g, weights, module, aux, dump):
+    """Both variants at ``m`` tokens: per-layer time, the summary, and with ``dump`` the raw records."""
+    ops = StageOperands(weights, m)
+    t_q = parse_tactic(sys.argv[2], m) if len(sys.argv) > 2 else default_tactic(g.qkvg_rows, g.hidden_size, m)
+    t_fab = parse_tactic(sys.argv[3], m) if len(sys.argv) > 3 else default_tactic(g.fab_rows, g.hidden_size, m)
+    t_fb = parse_tactic(sys.argv[4], m) if len(sys.argv) > 4 else default_tactic(g.local_width, g.head_dim, m)
+    qkvg = TimedGemm(module, t_q, g.qkvg_rows, g.hidden_size, g.hidden_size, m)
+    fab = TimedGemm(module, t_fab, g.fab_rows, g.hidden_size, g.hidden_size, m)
+    fb = TimedGemm(module, t_fb, g.local_width, g.head_dim, g.fab_rows, m)
+    c = ops.copies
+
+    def main_gemm(i):
+        qkvg(i, ops.xs[i % c], weights[i % c].w_qkvg, ops.qkvg[i % c])
+
+    def side(i):
+        fab(i, ops.xs[i % c], weights[i % c].w_fab, ops.fab[i % c])
+        fb(i, ops.fab[i % c][:, : g.head_dim], weights[i % c].w_fb, ops.g1[i % c])
+
+    schedulers = [OverlapScheduler() for _ in range(LAYERS)]
+    variants = {
+        "alone": main_gemm,
+        "stage": lambda i: schedulers[i].run(lambda: main_gemm(i), lambda: side(i), aux),
+    }
+    for name, layer in variants.items():
+        per_layer = graph_time_per_layer(layer, layers=LAYERS) * 1e6  # the records are the last replay's
+        ref = ops.xs[0].float() @ weights[0].w_qkvg.float().t()
+        err = ((ops.qkvg[0].float() - ref).norm() / ref.norm()).item()
+        print(f"M={m} {name} ({t_q.key()}, F_A/beta {t_fab.key()}, F_B {t_fb.key()}): {per_layer:.2f} us per layer, "
+              f"rel.err {err:.1e}", flush=True)
+        summary(name, qkvg, (fab, fb) if name == "stage" else None, list(range(6, LAYERS - 6)))
+        if dump:
+            raw = {role: [gemm.records(i).cpu() for i in range(LAYERS)] for role, gemm in
+                   (("qkvg", qkvg), ("fab", fab), ("fb", fb))}
+            torch.save(raw, Path(dump) / f"timeline_M{m}_{t_q.key()}_{name}.pt")
+
+
 def main():
     g = preset("kimi-k3", 8)
     weights = make_weight_copies(g, torch.device("cuda"))
@@ -147,48 +185,7 @@ def main():
     aux = torch.cuda.Stream()
     dump = os.environ.get("OUT")  # raw records land there too (torch.save), for reading offline
     for m in [int(v) for v in sys.argv[1].split(",")]:
-        ops = StageOperands(weights, m)
-        t_q = parse_tactic(sys.argv[2], m) if len(sys.argv) > 2 else default_tactic(g.qkvg_rows, g.hidden_size, m)
-        t_fab = parse_tactic(sys.argv[3], m) if len(sys.argv) > 3 else default_tactic(g.fab_rows, g.hidden_size, m)
-        t_fb = parse_tactic(sys.argv[4], m) if len(sys.argv) > 4 else default_tactic(g.local_width, g.head_dim, m)
-        qkvg = TimedGemm(module, t_q, g.qkvg_rows, g.hidden_size, g.hidden_size, m)
-        fab = TimedGemm(module, t_fab, g.fab_rows, g.hidden_size, g.hidden_size, m)
-        fb = TimedGemm(module, t_fb, g.local_width, g.head_dim, g.fab_rows, m)
-        c = ops.copies
-
-        def main_gemm(i):
-            qkvg(i, ops.xs[i % c], weights[i % c].w_qkvg, ops.qkvg[i % c])
-
-        def side(i):
-            fab(i, ops.xs[i % c], weights[i % c].w_fab, ops.fab[i % c])
-            fb(i, ops.fab[i % c][:, : g.head_dim], weights[i % c].w_fb, ops.g1[i % c])
-
-        schedulers = [OverlapScheduler() for _ in range(LAYERS)]
-        variants = {
-            "alone": main_gemm,
-            "stage": lambda i: schedulers[i].run(lambda: main_gemm(i), lambda: side(i), aux),
-        }
-        for name, layer in variants.items():
-            for i in range(LAYERS):
-                layer(i)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for i in range(LAYERS):
-                    layer(i)
-            for _ in range(10):
-                graph.replay()
-            torch.cuda.synchronize()
-            ref = ops.xs[0].float() @ weights[0].w_qkvg.float().t()
-            err = ((ops.qkvg[0].float() - ref).norm() / ref.norm()).item()
-            print(f"M={m} {name} ({t_q.key()}, F_A/beta {t_fab.key()}, F_B {t_fb.key()}), rel.err {err:.1e}", flush=True)
-            side_records = (fab, fb) if name == "stage" else None
-            summary(name, qkvg, side_records, list(range(6, LAYERS - 6)))
-            if dump:
-                raw = {role: [gemm.records(i).cpu() for i in range(LAYERS)] for role, gemm in
-                       (("qkvg", qkvg), ("fab", fab), ("fb", fb))}
-                torch.save(raw, Path(dump) / f"timeline_M{m}_{t_q.key()}_{name}.pt")
-            del graph
+        timeline_at(m, g, weights, module, aux, dump)
 
 
 main()
