@@ -143,8 +143,8 @@ def default_tactic(n: int, k: int, m: int) -> Tactic:
     256-element K-tiles (64 KB of shared memory per CTA; 94-98 % of copy bandwidth for Kimi-K3 TP8 QKVG on H200).
     The side chain still fits beside these CTAs because every launch asks for the maximum shared-memory carveout
     (:data:`kda_backend.kernels.compile_cache.SMEM_CARVEOUT_PERCENT`). Skinny N (F_A/beta) is split along K into
-    about ``SPLIT_TARGET_CTAS`` CTAs of three small stages each: 26 KB with their reserve, which still fit in the
-    32 KB three QKVG CTAs leave, and beside QKVG they overlap 0.2-0.3 us better than two stages on H200."""
+    about ``SPLIT_TARGET_CTAS`` CTAs of three small stages each: at 16 tokens 26 KB with their reserve, which still
+    fit in the 32 KB three QKVG CTAs leave, and beside QKVG they overlap 0.2-0.3 us better than two stages on H200."""
     if n % 16:
         raise ValueError(f"N={n} is not a multiple of 16")
     if k % 64:
