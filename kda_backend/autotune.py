@@ -109,8 +109,7 @@ def tune_tactics(
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
         for bucket in buckets:
-            alone_best = table[(role, n, k, bucket)]
-            cands = _neighbours(alone_best, candidate_tactics(n, k, BUCKET_MS[bucket][-1], xs))
+            cands = _neighbours(table[(role, n, k, bucket)], candidate_tactics(n, k, BUCKET_MS[bucket][-1], xs))
             table[(role, n, k, bucket)] = _best_in_stage(weights, role, bucket, cands, progress)
     return table
 
