@@ -10,6 +10,7 @@ of 24 layers; with ``OUT`` set, the raw records are saved there too.
 Usage (GPU machine): python benchmarks/diag_stage_timeline.py 1,16 [QKVG [F_A/beta [F_B]]] (tactic keys, e.g. n48k256s5p)
 """
 
+import dataclasses
 import importlib.util
 import os
 import statistics
@@ -28,34 +29,47 @@ from kda_backend.timing import graph_time_per_layer
 from stage_operands import LAYERS, StageOperands, parse_tactic
 
 WORDS = 4  # int32 words per CTA: start, after PDL wait, end, SM id
+# (anchor, addition, True to insert after the anchor / False before it)
 PATCHES = [
     (
         "        k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)\n",
         "        t_start = cute.arch.globaltimer_lo()\n",
+        True,
     ),
-    ("            cute.arch.griddepcontrol_launch_dependents()\n", "        t_wait = cute.arch.globaltimer_lo()\n"),
-    (
-        "        else:\n            self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)\n",
-        # after the split-K arrival counters (one per output tile), which live in the same buffer
+    (  # the first activation load: past the PDL wait, or a chained launch's wait for its joint tiles
+        "        for s in cutlass.range_constexpr(t.stages - 1):\n            if s < k_tiles:\n                self._load_x(",
+        "        t_wait = cute.arch.globaltimer_lo()\n",
+        False,
+    ),
+    (  # after the output is stored, before a waiting launch's exit (which waits for the joint launch to complete)
+        "        if cutlass.const_expr(link.waits):\n            self._count_out(m_chain, tidx)\n",
         (
             "        if tidx == 0:\n"
             "            gx, gy, _ = cute.arch.grid_dim()\n"
-            f"            base = gx * gy * (1 if t.split_k > 1 else 0) + ((bidz * gy + bidy) * gx + bidx) * {WORDS}\n"
+            "            cta = (bidz * gy + bidy) * gx + bidx\n"
+            # after the split-K arrival counters (one per output tile) or the chain's two, which share the buffer;
+            # a waiting launch fills the buffer of its joint launch from the end
+            f"            base = gx * gy * (1 if t.split_k > 1 else 0) + cta * {WORDS}\n"
+            "            if cutlass.const_expr(link.joint_rows > 0):\n"
+            f"                base = 2 + cta * {WORDS}\n"
+            "            if cutlass.const_expr(link.waits):\n"
+            f"                base = m_arrivals.shape[0] - (cta + 1) * {WORDS}\n"
             "            m_arrivals[base] = t_start\n"
             "            m_arrivals[base + 1] = t_wait\n"
             "            m_arrivals[base + 2] = cute.arch.globaltimer_lo()\n"
             "            m_arrivals[base + 3] = cute.arch.smid()\n"
         ),
+        False,
     ),
 ]
 
 
 def patched_module():
     source = Path(skinny_gemm.__file__).read_text()
-    for anchor, addition in PATCHES:
+    for anchor, addition, after in PATCHES:
         if source.count(anchor) != 1:
             raise SystemExit(f"skinny_gemm.py changed: anchor not found once: {anchor!r}")
-        source = source.replace(anchor, anchor + addition)
+        source = source.replace(anchor, anchor + addition if after else addition + anchor)
     path = Path(tempfile.mkdtemp()) / "skinny_timeline.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("skinny_timeline", path)
@@ -65,12 +79,14 @@ def patched_module():
     return module
 
 
-def compile_timed(module, tactic, n, k, x_row_stride):
+def compile_timed(module, tactic, n, k, x_row_stride, link=None):
+    """The patched kernel; its split-K entry (counters and records in one buffer), or with ``link`` the joint
+    or waiting entry (the chain's two counters and both launches' records in one buffer)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    gemm = module.SkinnyGemm(tactic, n, k, x_row_stride, k)
+    gemm = module.SkinnyGemm(tactic, n, k, x_row_stride, k, link or module.Link())
     m = cute.sym_int32(symbol="M")
     x = make_fake_tensor(cutlass.BFloat16, (m, k), (x_row_stride, 1), assumed_align=16)
     w = make_fake_tensor(cutlass.BFloat16, (n, k), (k, 1), assumed_align=16)
@@ -78,9 +94,16 @@ def compile_timed(module, tactic, n, k, x_row_stride):
     work = make_fake_tensor(cutlass.Float32, (n, m, tactic.split_k), (1, n, cute.sym_int64()), assumed_align=16)
     timeline = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="words"),), (1,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi --gpu-arch {compile_cache.target_arch(torch.device('cuda'))}"
     with compile_cache._launches_prefer_max_smem():
-        return cute.compile(gemm.split_k_call, x, w, out_t, work, timeline, stream,
-                            options=f"--enable-tvm-ffi --gpu-arch {compile_cache.target_arch(torch.device('cuda'))}")
+        if link is not None and link.joint_rows:
+            rows = link.joint_rows
+            w2 = make_fake_tensor(cutlass.BFloat16, (rows, k), (k, 1), assumed_align=16)
+            out2_t = make_fake_tensor(cutlass.BFloat16, (rows, m), (1, rows), assumed_align=16)
+            return cute.compile(gemm.joint_call, x, w, out_t, w2, out2_t, timeline, stream, options=options)
+        if link is not None and link.waits:
+            return cute.compile(gemm.waiting_call, x, w, out_t, timeline, cutlass.Int32(0), stream, options=options)
+        return cute.compile(gemm.split_k_call, x, w, out_t, work, timeline, stream, options=options)
 
 
 def rel(values: torch.Tensor, origin: int) -> torch.Tensor:
@@ -123,6 +146,61 @@ def summary(name, qkvg, side, layers):
     print(f"  {name}: median over layers {layers[0]}..{layers[-1]} (us after the layer's QKVG wait first released)")
     for key in rows[0]:
         print(f"    {key:16} {statistics.median(r[key] for r in rows):7.2f}", flush=True)
+
+
+def chained_summary(chain, layers):
+    """As :func:`summary` for the chained stage: QKVG's and F_A/beta's CTAs of the joint launch, then F_B's."""
+    rows = []
+    for layer in layers:
+        j, f = chain.records(layer)
+        origin = int(j[0, 1])
+        origin += int(rel(j[:, 1], origin).min())
+        j_start, j_end = (rel(j[:, c], origin).float() / 1e3 for c in (0, 2))
+        f_start, f_wait, f_end = (rel(f[:, c], origin).float() / 1e3 for c in range(3))
+        q_end, a_end = j_end[chain.fab_ctas :], j_end[: chain.fab_ctas]
+        rows.append({
+            "q start p50": j_start[chain.fab_ctas :].median().item(),
+            "fab start max": j_start[: chain.fab_ctas].max().item(),
+            "q end p10": q_end.quantile(0.1).item(),
+            "q end p50": q_end.median().item(),
+            "q end max": q_end.max().item(),
+            "fab end min": a_end.min().item(),
+            "fab end max": a_end.max().item(),
+            "fb start min": f_start.min().item(),
+            "fb start max": f_start.max().item(),
+            "fb wait max": f_wait.max().item(),
+            "fb end max": f_end.max().item(),
+            "next q wait min": rel(chain.records(layer + 1)[0][:, 1], origin).float().min().item() / 1e3,
+        })
+    print(f"  chained: median over layers {layers[0]}..{layers[-1]} (us after the layer's joint wait first released)")
+    for key in rows[0]:
+        print(f"    {key:16} {statistics.median(r[key] for r in rows):7.2f}", flush=True)
+
+
+class TimedChain:
+    """The chained stage's patched pair with one zeroed buffer per layer: the chain's two counters, the joint
+    launch's records from word 2 (F_A/beta's row blocks first), the waiting launch's from the end."""
+
+    def __init__(self, module, t_joint, t_waiting, g, m):
+        self.joint = compile_timed(module, t_joint, g.qkvg_rows, g.hidden_size, g.hidden_size,
+                                   module.Link(joint_rows=g.fab_rows))
+        self.waiting = compile_timed(module, t_waiting, g.local_width, g.head_dim, g.fab_rows, module.Link(waits=True))
+        self.joint_ctas = (g.qkvg_rows + g.fab_rows) // t_joint.block_n
+        self.fab_ctas = g.fab_rows // t_joint.block_n
+        self.waiting_ctas = g.local_width // t_waiting.block_n
+        self.expected = self.fab_ctas * -(-m // t_joint.block_t)
+        words = 2 + (self.joint_ctas + self.waiting_ctas) * WORDS
+        self.buffers = [torch.zeros(words, dtype=torch.int32, device="cuda") for _ in range(LAYERS)]
+        self.head_dim = g.head_dim
+
+    def __call__(self, i, x, w, out, w2, out2, w3, out3):
+        self.joint(x, w, out.t(), w2, out2.t(), self.buffers[i])
+        self.waiting(out2[:, : self.head_dim], w3, out3.t(), self.buffers[i], self.expected)
+
+    def records(self, i):
+        """Joint CTAs' records (F_A/beta's first), then the waiting launch's (in CTA order)."""
+        words = self.buffers[i][2:].view(-1, WORDS)
+        return words[: self.joint_ctas], words[self.joint_ctas :].flip(0)
 
 
 class TimedGemm:
@@ -176,6 +254,22 @@ def timeline_at(m, g, weights, module, aux, dump):
             raw = {role: [gemm.records(i).cpu() for i in range(LAYERS)] for role, gemm in
                    (("qkvg", qkvg), ("fab", fab), ("fb", fb))}
             torch.save(raw, Path(dump) / f"timeline_M{m}_{t_q.key()}_{name}.pt")
+    t_waiting = dataclasses.replace(t_fb, x_via_l1=False, x_tma=False)
+    chain = TimedChain(module, t_q, t_waiting, g, m)
+
+    def chained(i):
+        w = weights[i % c]
+        chain(i, ops.xs[i % c], w.w_qkvg, ops.qkvg[i % c], w.w_fab, ops.fab[i % c], w.w_fb, ops.g1[i % c])
+
+    per_layer = graph_time_per_layer(chained, layers=LAYERS) * 1e6
+    ref = ops.fab[0][:, : g.head_dim].float() @ weights[0].w_fb.float().t()
+    err = ((ops.g1[0].float() - ref).norm() / ref.norm()).item()
+    print(f"M={m} chained ({t_q.key()} joint, F_B {t_waiting.key()}): {per_layer:.2f} us per layer, g1 rel.err "
+          f"{err:.1e}", flush=True)
+    chained_summary(chain, list(range(6, LAYERS - 6)))
+    if dump:
+        torch.save([[r.cpu() for r in chain.records(i)] for i in range(LAYERS)],
+                   Path(dump) / f"timeline_M{m}_{t_q.key()}_chained.pt")
 
 
 def main():

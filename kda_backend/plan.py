@@ -1,4 +1,4 @@
-"""A projection plan: per token count M, overlapped or sequential, and which provider serves each GEMM.
+"""A projection plan: per token count M, overlapped, chained or sequential, and which provider serves each GEMM.
 
 A plan has steps for the M values it was tuned for; any other M gets the plan's ``fallback`` step (by default
 sequential with providers chosen automatically by :mod:`kda_backend.dispatch`; ``"auto"`` as a provider name
@@ -17,12 +17,27 @@ AUTO = "auto"
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What the projection does for one M."""
+    """What the projection does for one M.
+
+    :param overlap: fork the F_A/beta -> F_B chain onto an aux stream beside QKVG (where the host allows a fork).
+    :param chained: QKVG and F_A/beta in one launch, then F_B in a second that waits for F_A/beta's output only;
+        one stream, so it never needs the host's permission to fork (served by a provider with a chained stage,
+        named by ``qkvg``). Neither: the three GEMMs one after another.
+    """
 
     overlap: bool = False
     qkvg: str = AUTO
     fab: str = AUTO
     fb: str = AUTO
+    chained: bool = False
+
+    def __post_init__(self) -> None:
+        if self.overlap and self.chained:
+            raise ValueError("a plan step is overlapped or chained, not both")
+
+    @property
+    def mode(self) -> str:
+        return "chained" if self.chained else "overlap" if self.overlap else "sequential"
 
     def provider(self, role: str) -> str:
         return getattr(self, role)
@@ -32,11 +47,12 @@ class Step:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Step:
-        unknown = set(data) - {"overlap", *ROLES}
+        unknown = set(data) - {"overlap", "chained", *ROLES}
         if unknown:
             raise ValueError(f"plan step has unknown fields {sorted(unknown)}")
         return cls(
             overlap=bool(data.get("overlap", False)),
+            chained=bool(data.get("chained", False)),
             **{r: str(data.get(r, AUTO)) for r in ROLES},
         )
 
@@ -81,7 +97,7 @@ class Plan:
         return cls(steps={m: step for m in range(1, max_m + 1)}, source=source)
 
     def describe(self) -> str:
-        """One line per run of equal steps, e.g. ``M 1-16: overlap qkvg=cute fab=cute fb=cute``."""
+        """One line per run of equal steps, e.g. ``M 1-16: overlap    qkvg=cute fab=cute fb=cute``."""
         lines, run = [], []
         for m in sorted(self.steps):
             if run and (self.steps[m] != self.steps[run[-1]] or m != run[-1] + 1):
@@ -96,5 +112,4 @@ class Plan:
 
 def _describe_run(ms: list[int], step: Step) -> str:
     label = "other M" if not ms else (f"M {ms[0]}" if len(ms) == 1 else f"M {ms[0]}-{ms[-1]}")
-    mode = "overlap   " if step.overlap else "sequential"
-    return f"{label:>10}: {mode} qkvg={step.qkvg} fab={step.fab} fb={step.fb}"
+    return f"{label:>10}: {step.mode:<10} qkvg={step.qkvg} fab={step.fab} fb={step.fb}"

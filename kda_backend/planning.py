@@ -1,6 +1,6 @@
 """Which plan a projection runs: forced by the environment, stored for this device, tuned now, or the safe default.
 
-Order: ``KDA_BACKEND_PLAN`` (``sequential``, ``overlap`` or a plan file) > the stored plan for this device key >
+Order: ``KDA_BACKEND_PLAN`` (``sequential``, ``overlap``, ``chained`` or a plan file) > the stored plan for this device key >
 tuning now when ``KDA_BACKEND_AUTOTUNE=1`` (then stored) > sequential cuBLAS with one warning. The result passes
 through the ``kda_share_plan`` hook so every tensor-parallel rank runs the same plan.
 """
@@ -33,9 +33,11 @@ def forced_plan() -> tuple[Plan, TacticTable] | None:
         return Plan.uniform(FORCED_MAX_M, Step(overlap=False), source="env:sequential"), {}
     if value == "overlap":
         return Plan.uniform(FORCED_MAX_M, Step(overlap=True), source="env:overlap"), {}
+    if value == "chained":
+        return Plan.uniform(FORCED_MAX_M, Step(chained=True), source="env:chained"), {}
     loaded = plan_store.load_file(Path(value))
     if loaded is None:
-        raise ValueError(f"KDA_BACKEND_PLAN={value!r}: not 'sequential', 'overlap' or a readable plan file")
+        raise ValueError(f"KDA_BACKEND_PLAN={value!r}: not 'sequential', 'overlap', 'chained' or a readable plan file")
     return loaded
 
 

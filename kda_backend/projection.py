@@ -1,9 +1,10 @@
 """``KDAProjection``: the projection stage of one KDA layer over zero-copy weight views.
 
 ``forward(x)`` with x ``[M, hidden]`` returns ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])`` in the weights'
-dtype. Per M the plan says whether the F_A/beta -> F_B chain overlaps the QKVG GEMM on an aux stream and which
-provider serves each GEMM. The fork happens only when the host says it is legal (a full CUDA graph is being
-captured); otherwise the same kernels run sequentially, so eager and replayed results are bit-identical.
+dtype. Per M the plan says whether the F_A/beta -> F_B chain overlaps the QKVG GEMM on an aux stream, runs chained
+behind it on the same stream (:attr:`~kda_backend.plan.Step.chained`) or after it, and which provider serves each
+GEMM. The fork happens only when the host says it is legal (a full CUDA graph is being captured); otherwise the same
+kernels run sequentially, so eager and replayed results are bit-identical.
 
 When the plan leaves a step sequential and both big GEMMs fall to the torch provider over a packed weight, one
 ``torch.mm`` over the packed ``[QKVG; FAB]`` tensor serves both (engines' own sequential path, bit for bit).
@@ -19,7 +20,7 @@ from kda_backend.log import warn_once
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.plan import AUTO, Plan, Step
 from kda_backend.plugins import hooks
-from kda_backend.providers.base import GemmCall, GemmProvider
+from kda_backend.providers.base import ROLES, GemmCall, GemmProvider
 from kda_backend.weights import ProjectionWeights
 
 
@@ -40,6 +41,7 @@ class KDAProjection:
         self.aux_stream = aux_stream
         self._scheduler = OverlapScheduler()
         self._chosen: dict[tuple[str, int], GemmProvider] = {}
+        self._chained: dict[int, GemmProvider | None] = {}
 
     @property
     def geometry(self) -> KDAGeometry:
@@ -79,10 +81,47 @@ class KDAProjection:
             self._chosen[key] = provider
         return self._chosen[key]
 
+    def chained_provider(self, m: int) -> GemmProvider | None:
+        """The provider serving the chained stage at ``m`` tokens (the step's ``qkvg`` provider, or with ``auto``
+        the first that can), selected and prepared once per M; ``None`` (one warning) when no provider can, and
+        the three GEMMs then run one after another."""
+        if m not in self._chained:
+            calls = {role: self.gemm_call(role, m) for role in ROLES}
+            name = self.plan.step(m).qkvg
+            chosen = None
+            if name != AUTO:
+                chosen = dispatch.provider_by_name(name)
+                reason = chosen.why_not_chained(calls)
+                if reason is not None:
+                    raise ValueError(f"plan provider {name!r} cannot run the chained stage at M={m}: {reason}")
+                chosen.prepare_chained(calls)
+            else:
+                reasons = []
+                for provider in hooks.gemm_providers():
+                    reason = dispatch.broken_reason(provider.name) or provider.why_not_chained(calls)
+                    if reason is None:
+                        try:
+                            provider.prepare_chained(calls)
+                        except Exception as exc:
+                            dispatch.mark_broken(provider, f"chained stage: prepare failed: {type(exc).__name__}: {exc}")
+                            continue
+                        chosen = provider
+                        break
+                    reasons.append(f"{provider.name}: {reason}")
+                if chosen is None:
+                    why = "; ".join(reasons)
+                    warn_once(f"no-chained-{why}", f"no provider can run the chained stage at M={m} ({why}): its GEMMs "
+                              "run one after another")
+            self._chained[m] = chosen
+        return self._chained[m]
+
     def prepare(self, ms: range | list[int]) -> None:
-        """Select (and compile) providers for every M in ``ms``; call before CUDA-graph capture."""
+        """Select (and compile) providers for every M in ``ms``; call before CUDA-graph capture. Chained steps
+        prepare the per-GEMM providers too: they serve if the chained stage fails."""
         for m in ms:
-            for role in ("qkvg", "fab", "fb"):
+            if self.plan.step(m).chained:
+                self.chained_provider(m)
+            for role in ROLES:
                 self.provider(role, m)
 
     def forward(
@@ -122,6 +161,8 @@ class KDAProjection:
 
         qkvg = x.new_empty(m, g.qkvg_rows) if qkvg_out is None else qkvg_out
         fab = x.new_empty(m, g.fab_rows) if fab_out is None else fab_out
+        if step.chained and self._run_chained(x, qkvg, fab, g1):
+            return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
 
         def main() -> None:
             self._run("qkvg", x, w.w_qkvg, qkvg)
@@ -180,6 +221,23 @@ class KDAProjection:
             x_row_stride=g.fab_rows if role == "fb" else g.hidden_size,
             w_row_stride=weight.stride(0),
         )
+
+    def _run_chained(self, x: torch.Tensor, qkvg: torch.Tensor, fab: torch.Tensor, g1: torch.Tensor) -> bool:
+        """Run the chained stage; ``False`` when no provider can, so the caller runs the GEMMs one by one."""
+        m = x.shape[0]
+        provider = self.chained_provider(m)
+        if provider is None:
+            return False
+        w = self.weights
+        try:
+            provider.run_chained(x, {"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}, qkvg, fab, g1)
+        except Exception as exc:
+            if self.plan.step(m).qkvg != AUTO:
+                raise
+            dispatch.mark_broken(provider, f"chained stage: {type(exc).__name__}: {exc}")
+            self._chained = {}
+            return False
+        return True
 
     def _run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         m = x.shape[0]

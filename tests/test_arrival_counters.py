@@ -1,4 +1,4 @@
-"""Bookkeeping of the split-K arrival counters that runs without a GPU (the kernel side is in test_gpu_kernels)."""
+"""Bookkeeping of the split-K and chain counters that runs without a GPU (the kernel side is in test_gpu_kernels)."""
 
 import dataclasses
 
@@ -25,13 +25,22 @@ def counters():
 def test_each_stream_gets_its_own_row_and_keeps_it(counters):
     a = counters.for_stream(FakeStream(0, 11), tiles=9)
     b = counters.for_stream(FakeStream(0, 22), tiles=9)
-    assert a.shape == (ac.COUNTERS_PER_STREAM,) and a.data_ptr() != b.data_ptr()
+    assert a.shape == (ac.SPLIT_K_COUNTERS,) and a.data_ptr() != b.data_ptr()
     assert counters.for_stream(FakeStream(0, 11), tiles=1).data_ptr() == a.data_ptr()
 
 
+def test_chain_counters_are_the_row_tail_split_k_never_reaches(counters):
+    """The chained stage's pair and split-K's counters share a stream's row without overlapping."""
+    split = counters.for_stream(FakeStream(0, 11), tiles=ac.SPLIT_K_COUNTERS)
+    chain = counters.chain_for_stream(FakeStream(0, 11))
+    assert chain.shape == (ac.CHAIN_COUNTERS,)
+    assert chain.data_ptr() == split.data_ptr() + split.numel() * split.element_size()
+    assert chain.data_ptr() != counters.chain_for_stream(FakeStream(0, 22)).data_ptr()
+
+
 def test_too_many_tiles_is_refused(counters):
-    with pytest.raises(ValueError, match=f"{ac.COUNTERS_PER_STREAM + 1} output tiles"):
-        counters.for_stream(FakeStream(0, 1), tiles=ac.COUNTERS_PER_STREAM + 1)
+    with pytest.raises(ValueError, match=f"{ac.SPLIT_K_COUNTERS + 1} output tiles"):
+        counters.for_stream(FakeStream(0, 1), tiles=ac.SPLIT_K_COUNTERS + 1)
 
 
 def test_running_out_of_rows_is_an_error_not_a_shared_row(counters):

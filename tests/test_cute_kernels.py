@@ -10,7 +10,15 @@ import torch
 
 from kda_backend.geometry import preset
 from kda_backend.kernels.compile_cache import KernelKey, compile_gemm, target_arch
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, candidate_tactics, default_tactic, validate_tactic
+from kda_backend.kernels.skinny_gemm import (
+    Link,
+    Tactic,
+    block_t_for,
+    candidate_tactics,
+    default_tactic,
+    validate_link,
+    validate_tactic,
+)
 from kda_backend.providers.base import GemmCall
 from kda_backend.providers.cute_provider import CuteDslProvider
 
@@ -158,7 +166,7 @@ def _compile_and_dump(key: KernelKey, dump_dir, keep: str = "ptx") -> str:
     """Compile ``key`` in a fresh process with the DSL keeping ``keep`` artifacts in ``dump_dir``; its PTX text."""
     code = (
         "from kda_backend.kernels.compile_cache import KernelKey, compile_gemm\n"
-        "from kda_backend.kernels.skinny_gemm import Tactic\n"
+        "from kda_backend.kernels.skinny_gemm import Link, Tactic\n"
         f"compile_gemm({key!r})\n"
     )
     env = dict(os.environ, CUTE_DSL_KEEP=keep, CUTE_DSL_DUMP_DIR=str(dump_dir))
@@ -281,3 +289,83 @@ def test_unwritable_kernel_cache_still_serves(kernel_cache, kda_log, monkeypatch
     kernel_cache.write_text("a file where the folder should be")
     assert compile_cache.CompiledGemms().get(_small_key()) is not None
     assert any("cannot write compiled kernels" in m for m in kda_log.messages())
+
+
+def _chained_calls(tp=8, **qkvg):
+    calls = {role: _call(role=role, n=n, k=k, x_row_stride=xs, w_row_stride=k) for role, (n, k, xs) in _roles(tp).items()}
+    calls["qkvg"] = dataclasses.replace(calls["qkvg"], **qkvg)
+    return calls
+
+
+def _chained_keys(tp, arch, joint=None):
+    roles = _roles(tp)
+    (qn, qk, qxs), (fn, _, _), (bn, bk, bxs) = roles["qkvg"], roles["fab"], roles["fb"]
+    waiting = dataclasses.replace(default_tactic(bn, bk, 4), x_via_l1=False)
+    return (KernelKey(joint or default_tactic(qn, qk, 4), qn, qk, qxs, qk, arch, Link(joint_rows=fn)),
+            KernelKey(waiting, bn, bk, bxs, bk, arch, Link(waits=True)))
+
+
+@pytest.mark.parametrize(
+    "link, tactic, match",
+    [
+        (Link(joint_rows=144, waits=True), Tactic(16, 256, 16, 4), "not both"),
+        (Link(joint_rows=144), Tactic(32, 256, 16, 4), "multiple of block_n=32"),
+        (Link(joint_rows=144), Tactic(16, 128, 16, 3, split_k=2), "cannot split K"),
+        (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=True), "loads x from L2 only"),
+        (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True), "loads x from L2 only"),
+    ],
+)
+def test_validate_link_reasons(link, tactic, match):
+    assert match in validate_link(link, tactic)
+
+
+def test_chained_tactics_keep_tuned_qkvg_where_it_tiles_f_a_beta():
+    """The joint launch runs QKVG's tuned tactic when its row blocks tile F_A/beta's rows, else the 16-row
+    default; the waiting launch runs F_B's with activations from L2 and no split."""
+    g = preset("kimi-k3", 8)
+    p = CuteDslProvider()
+    fb_tuned = Tactic(16, 128, 16, 3, x_via_l1=True)
+    p.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): Tactic(48, 256, 16, 5),
+                   ("fb", g.local_width, g.head_dim, 16): fb_tuned})
+    joint, waiting = p.chained_tactics(_chained_calls())
+    assert joint == Tactic(48, 256, 16, 5) and waiting == dataclasses.replace(fb_tuned, x_via_l1=False)
+    p.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): Tactic(32, 256, 16, 4)})  # 144 rows: not 32-row tiles
+    assert p.chained_tactics(_chained_calls())[0] == default_tactic(g.qkvg_rows, g.hidden_size, 4)
+    assert p.why_not_chained(_chained_calls()) is None
+
+
+def test_chained_stage_rejections_name_reason():
+    p = CuteDslProvider()
+    assert p.why_not_chained(_chained_calls(capability=(8, 0))).startswith("qkvg: compute capability (8, 0)")
+    calls = _chained_calls()
+    calls["fab"] = dataclasses.replace(calls["fab"], w_row_stride=7200)
+    assert "QKVG's stride" in p.why_not_chained(calls)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", [1, 8, 16], ids=lambda t: f"tp{t}")
+def test_chained_stage_kernels_compile_on_cpu(arch, tp):
+    joint = Tactic(48, 256, 16, 5) if tp == 8 else None
+    for key in _chained_keys(tp, arch, joint):
+        assert compile_gemm(key) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chained_stage_orders_its_signal_and_wait(arch, tmp_path):
+    """The joint launch counts F_A/beta's tiles in only after they are stored and fenced device-wide. The waiting
+    launch releases the next kernel first, then polls the count (relaxed loads: an acquire load per poll would
+    invalidate the L1 that QKVG's CTAs beside it share), fences once, loads f_a, counts itself out, and only
+    then waits for the joint launch to complete."""
+    joint_key, waiting_key = _chained_keys(8, arch)
+    (tmp_path / "joint").mkdir()
+    (tmp_path / "waiting").mkdir()
+    joint = _compile_and_dump(joint_key, tmp_path / "joint")
+    assert joint.index("fence.acq_rel.gpu") < joint.index("atom.global.release.add")
+    waiting = _compile_and_dump(waiting_key, tmp_path / "waiting")
+    release = waiting.index("griddepcontrol.launch_dependents")
+    poll = waiting.index("ld.relaxed.gpu.global")
+    fence = waiting.index("fence.acq_rel.gpu", poll)
+    count_out = waiting.index("atom.global.add", fence)
+    final_wait = waiting.index("griddepcontrol.wait")
+    assert release < poll < fence < count_out < final_wait
+    assert "cp.async" in waiting[fence:count_out] and "ld.acquire" not in waiting

@@ -1,4 +1,7 @@
-"""The CuTe DSL kernel alone on the GPU: every role and TP size, strided f_a input, bad input errors."""
+"""The CuTe DSL kernel alone on the GPU: every role and TP size, strided f_a input, bad input errors, the chained
+stage."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -155,3 +158,71 @@ def test_kernel_loaded_from_disk_equals_freshly_compiled(monkeypatch, tmp_path):
     assert torch.equal(outs[0], outs[1])
     ref = x.float() @ w.float().t()
     assert ((outs[1].float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+def _chained_calls_and_weights(tp: int, m: int):
+    g = preset("kimi-k3", tp)
+    w = {
+        "qkvg": torch.randn(g.qkvg_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5,
+        "fab": torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5,
+        "fb": torch.randn(*g.fb_shape, device="cuda", dtype=torch.bfloat16) * g.head_dim**-0.5,
+    }
+    return g, w
+
+
+@pytest.mark.parametrize("joint", [None, Tactic(48, 256, 16, 3, x_via_l1=False), Tactic(16, 256, 16, 4, x_via_l1=False,
+                                                                                       x_tma=True)],
+                         ids=lambda t: t.key() if t else "default")
+@pytest.mark.parametrize("tp", [1, 8, 16], ids=lambda t: f"tp{t}")
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 40, 64], ids=lambda m: f"M{m}")
+def test_chained_stage_matches_reference_and_is_deterministic(tp, m, joint):
+    """F_A/beta in QKVG's launch and F_B waiting for its tiles: fp32-close outputs, the same bits every run, chain
+    counters left at zero. M past 16 runs several token tiles (F_B waits for every one); 48-row joint CTAs tile
+    F_A/beta's 144 rows at TP8 (elsewhere the provider falls back to 16 rows)."""
+    g, w = _chained_calls_and_weights(tp, m)
+    provider = CuteDslProvider()
+    if joint is not None:
+        provider.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, block_t_for(m)):
+                              dataclasses.replace(joint, block_t=block_t_for(m))})
+    x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        outs = [torch.full((m, c), float("nan"), device="cuda", dtype=torch.bfloat16)
+                for c in (g.qkvg_rows, g.fab_rows, g.local_width)]
+        provider.run_chained(x, w, *outs)
+        runs.append(outs)
+    torch.cuda.synchronize()
+    fab = runs[0][1]
+    refs = (x.float() @ w["qkvg"].float().t(), x.float() @ w["fab"].float().t(),
+            fab[:, : g.head_dim].float() @ w["fb"].float().t())
+    for name, out, ref in zip(("qkvg", "fab", "g1"), runs[0], refs):
+        assert not out.isnan().any(), name
+        assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2, name
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
+
+
+def test_chained_stage_on_concurrent_streams_keeps_results_apart():
+    """Two streams running chained stages at once (each has its own chain counters) give their eager results."""
+    g, w = _chained_calls_and_weights(8, 4)
+    provider = CuteDslProvider()
+    xs = [torch.randn(4, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+    def outputs():
+        return [torch.full((4, c), float("nan"), device="cuda", dtype=torch.bfloat16)
+                for c in (g.qkvg_rows, g.fab_rows, g.local_width)]
+
+    expected = []
+    for x in xs:
+        expected.append(outputs())
+        provider.run_chained(x, w, *expected[-1])
+    streams = [torch.cuda.Stream() for _ in xs]
+    results = [[outputs() for _ in range(20)] for _ in xs]
+    torch.cuda.synchronize()
+    for i in range(20):
+        for s, (stream, x) in enumerate(zip(streams, xs)):
+            with torch.cuda.stream(stream):
+                provider.run_chained(x, w, *results[s][i])
+    torch.cuda.synchronize()
+    for s in range(2):
+        assert all(torch.equal(a, b) for outs in results[s] for a, b in zip(outs, expected[s]))

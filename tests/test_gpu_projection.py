@@ -1,10 +1,11 @@
-"""On the GPU: CuTe DSL kernels vs the fp32 reference, determinism, and overlapped CUDA-graph replay."""
+"""On the GPU: CuTe DSL kernels vs the fp32 reference, determinism, and overlapped and chained CUDA-graph replay."""
 
 import pytest
 import torch
 
 from kda_backend import KDAProjection, Plan, ProjectionWeights, Step
 from kda_backend.geometry import preset
+from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.reference import KDALayerWeights, reference_projection
 
 pytestmark = pytest.mark.gpu
@@ -32,17 +33,21 @@ def _assert_close_to_reference(outs, x, w):
         assert err <= 1e-2, (name, err)
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["sequential", "chained"])
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16], ids=lambda t: f"tp{t}")
-def test_cute_projection_matches_reference(tp, packed, monkeypatch):
+def test_cute_projection_matches_reference(tp, packed, chained, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_PROVIDER", "cute")
     w = _weights(tp, packed, seed=tp)
-    proj = KDAProjection(w)
+    proj = KDAProjection(w, Plan.uniform(64, Step(chained=True)) if chained else None)
     g = w.geometry
     for m in MS:
         x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
         outs = proj(x, *_poisoned(m, g))
         assert all(proj.provider(r, m).name == "cute" for r in ("qkvg", "fab", "fb"))
+        if chained:
+            assert proj.chained_provider(m).name == "cute"
+            assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
         _assert_close_to_reference(outs, x, w)
         again = proj(x, *_poisoned(m, g))
         for a, b in zip(outs, again):
@@ -60,12 +65,14 @@ def _layers(n, packed):
     return [_weights(8, packed, seed=100 + i) for i in range(n)]
 
 
+@pytest.mark.parametrize("step", [Step(overlap=True), Step(chained=True)], ids=["overlap", "chained"])
 @pytest.mark.parametrize("m", [1, 4, 12, 16])
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
-def test_graph_replay_with_overlap_equals_eager_bitwise(m, packed):
-    """Several layers sharing one aux stream, captured with the overlap; replays with new inputs equal eager."""
+def test_graph_replay_equals_eager_bitwise(m, packed, step):
+    """Several layers sharing one aux stream (overlapped) or one stream's chain counters (chained), captured;
+    replays with new inputs equal eager."""
     weights = _layers(3, packed)
-    plan = Plan.uniform(64, Step(overlap=True))
+    plan = Plan.uniform(64, step)
     projs = [KDAProjection(w, plan) for w in weights]
     for p in projs:
         p.prepare([m])

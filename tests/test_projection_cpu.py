@@ -257,3 +257,65 @@ def test_forced_provider_that_fails_to_compile_raises(monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_PROVIDER", "picky")
     with pytest.raises(RuntimeError, match="ptxas died"):
         KDAProjection(_weights(TINY))(torch.randn(2, TINY.hidden_size).bfloat16())
+
+
+class _Chainer(GemmProvider):
+    """Serves every GEMM and the chained stage with torch on the CPU, recording what it ran."""
+
+    name, priority = "chainer", 50
+
+    def __init__(self, fail=False):
+        self.fail, self.calls = fail, []
+
+    def why_not(self, call):
+        return None
+
+    def run(self, role, x, w, out):
+        self.calls.append(role)
+        torch.mm(x, w.t(), out=out)
+
+    def why_not_chained(self, calls):
+        assert set(calls) == {"qkvg", "fab", "fb"} and calls["fb"].x_row_stride == calls["fab"].n
+
+    def run_chained(self, x, weights, qkvg, fab, g1):
+        self.calls.append("chained")
+        if self.fail:
+            raise RuntimeError("chain broke")
+        torch.mm(x, weights["qkvg"].t(), out=qkvg)
+        torch.mm(x, weights["fab"].t(), out=fab)
+        torch.mm(fab[:, : weights["fb"].shape[1]], weights["fb"].t(), out=g1)
+
+
+def test_chained_step_runs_the_providers_chained_stage():
+    chainer = _Chainer()
+    register_plugin(_Plugin(chainer), "chainer")
+    proj = KDAProjection(_weights(TINY, packed=True), Plan.uniform(8, Step(chained=True)))
+    proj.prepare([4])
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert chainer.calls == ["chained"] and proj.chained_provider(4) is chainer
+
+
+def test_chained_step_without_a_chaining_provider_runs_sequentially_with_one_warning(kda_log):
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(chained=True)))
+    for m in (2, 3):
+        _check_against_reference(proj, torch.randn(m, TINY.hidden_size).bfloat16())
+        assert proj.chained_provider(m) is None
+    warnings = [m for m in kda_log.messages() if "no provider can run the chained stage" in m]
+    assert len(warnings) == 1 and "torch: provider 'torch' has no chained stage" in warnings[0]
+
+
+def test_failing_chained_stage_falls_back_with_one_warning(kda_log):
+    chainer = _Chainer(fail=True)
+    register_plugin(_Plugin(chainer), "chainer")
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(chained=True)))
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert dispatch.broken_reason("chainer") == "chained stage: RuntimeError: chain broke"
+    assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert chainer.calls == ["chained"]  # once broken, never chained again; the GEMMs ran on torch
+
+
+def test_plan_naming_a_provider_without_chained_stage_raises():
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(chained=True, qkvg="torch")))
+    with pytest.raises(ValueError, match="plan provider 'torch' cannot run the chained stage at M=2: provider 'torch'"):
+        proj.prepare([2])

@@ -21,6 +21,8 @@ import threading
 import torch
 
 COUNTERS_PER_STREAM = 256  # output tiles of one launch, N / block_n * ceil(M / block_t): Kimi-K3 F_A/beta 9-14
+CHAIN_COUNTERS = 2  # the last two of a row: the chained stage's pair (see skinny_gemm.Link)
+SPLIT_K_COUNTERS = COUNTERS_PER_STREAM - CHAIN_COUNTERS
 STREAMS_PER_DEVICE = 1024  # streams are rarely destroyed in serving; 1 MiB per device covers test churn too
 
 
@@ -55,8 +57,15 @@ class ArrivalCounters:
 
     def for_stream(self, stream: torch.cuda.Stream, tiles: int) -> torch.Tensor:
         """The counters ``[COUNTERS_PER_STREAM]`` of ``stream`` for a launch with ``tiles`` output tiles."""
-        if tiles > COUNTERS_PER_STREAM:
-            raise ValueError(f"split-K launch has {tiles} output tiles > {COUNTERS_PER_STREAM} arrival counters")
+        if tiles > SPLIT_K_COUNTERS:
+            raise ValueError(f"split-K launch has {tiles} output tiles > {SPLIT_K_COUNTERS} arrival counters")
+        return self._row(stream)[:SPLIT_K_COUNTERS]
+
+    def chain_for_stream(self, stream: torch.cuda.Stream) -> torch.Tensor:
+        """The chained stage's two counters ``[2]`` of ``stream`` (zero whenever no chained pair is running)."""
+        return self._row(stream)[SPLIT_K_COUNTERS:]
+
+    def _row(self, stream: torch.cuda.Stream) -> torch.Tensor:
         arena = self._arena(stream.device_index)
         key = (stream.device_index, stream.cuda_stream)
         with self._lock:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kda_backend.kernels import skinny_gemm
-from kda_backend.kernels.skinny_gemm import SkinnyGemm, Tactic
+from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
 from kda_backend.log import warn_once
 
 
@@ -42,11 +42,14 @@ class KernelKey:
     x_row_stride: int
     w_row_stride: int
     arch: str
+    link: Link = NO_LINK
 
 
-def kernel_key(tactic: Tactic, n: int, k: int, x_row_stride: int, w_row_stride: int, device: torch.device) -> KernelKey:
+def kernel_key(
+    tactic: Tactic, n: int, k: int, x_row_stride: int, w_row_stride: int, device: torch.device, link: Link = NO_LINK
+) -> KernelKey:
     """The key of the kernel computing ``x[M, K] @ w[N, K].T`` with these row strides on ``device``."""
-    return KernelKey(tactic, n, k, x_row_stride, w_row_stride, target_arch(device))
+    return KernelKey(tactic, n, k, x_row_stride, w_row_stride, target_arch(device), link)
 
 
 def target_arch(device: torch.device | None = None) -> str:
@@ -99,20 +102,29 @@ def _launches_prefer_max_smem():
 
 def compile_gemm(key: KernelKey) -> Any:
     """Compile one kernel for ``key.arch`` and return the TVM-FFI callable: ``f(x, w, out_t)``, or with split-K
-    ``f(x, w, out_t, work, arrivals)`` (see :meth:`SkinnyGemm.split_k_call`)."""
+    ``f(x, w, out_t, work, arrivals)`` (see :meth:`SkinnyGemm.split_k_call`), a joint one ``f(x, w, out_t, w2,
+    out2_t, chain)`` and a waiting one ``f(x, w, out_t, chain, expected)`` (see :class:`Link`)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    gemm = SkinnyGemm(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride)
+    gemm = SkinnyGemm(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride, key.link)
     m = cute.sym_int32(symbol="M")
     x = make_fake_tensor(cutlass.BFloat16, (m, key.k), (key.x_row_stride, 1), assumed_align=16)
     w = make_fake_tensor(cutlass.BFloat16, (key.n, key.k), (key.w_row_stride, 1), assumed_align=16)
     out_t = make_fake_tensor(cutlass.BFloat16, (key.n, m), (1, key.n), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
+    chain = make_fake_tensor(cutlass.Int32, (2,), (1,), assumed_align=4)
+    joint_rows = key.link.joint_rows
     with _launches_prefer_max_smem() as launches:
-        if key.tactic.split_k > 1:
+        if joint_rows:
+            w2 = make_fake_tensor(cutlass.BFloat16, (joint_rows, key.k), (key.w_row_stride, 1), assumed_align=16)
+            out2_t = make_fake_tensor(cutlass.BFloat16, (joint_rows, m), (1, joint_rows), assumed_align=16)
+            kernel = cute.compile(gemm.joint_call, x, w, out_t, w2, out2_t, chain, stream, options=options)
+        elif key.link.waits:
+            kernel = cute.compile(gemm.waiting_call, x, w, out_t, chain, cutlass.Int32(0), stream, options=options)
+        elif key.tactic.split_k > 1:
             work = make_fake_tensor(
                 cutlass.Float32, (key.n, m, key.tactic.split_k), (1, key.n, cute.sym_int64()), assumed_align=16
             )

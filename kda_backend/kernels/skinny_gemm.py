@@ -128,6 +128,41 @@ def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | 
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """How one launch takes part in the chained projection stage, where F_A/beta rides in QKVG's launch and F_B,
+    launched programmatically behind it, starts as soon as F_A/beta's tiles are stored instead of when QKVG's last
+    CTA ends. The two launches share ``chain``, two int32 counters that are zero before and after the pair.
+
+    :param joint_rows: rows of a second weight ``[joint_rows, K]`` multiplied by the same x in the same launch into
+        a second output (its row blocks come first in grid x); each of its output tiles counts
+        itself in on ``chain[0]`` once stored. 0: one weight.
+    :param waits: load x only after ``chain[0]`` reached the launch's ``expected`` count (every joint tile of the
+        launch before it). Each CTA then counts itself in on ``chain[1]``; the last resets both counters. The
+        kernel ends with ``griddepcontrol.wait``, so it never completes before the launch it waits for.
+    """
+
+    joint_rows: int = 0
+    waits: bool = False
+
+
+NO_LINK = Link()  # a plain GEMM
+
+
+def validate_link(link: Link, tactic: Tactic) -> str | None:
+    """``None`` if ``tactic`` can take part in the chained stage as ``link`` says, else why not."""
+    if link.joint_rows and link.waits:
+        return "a launch either computes a joint weight or waits for one, not both"
+    if link.joint_rows % tactic.block_n:
+        return f"joint_rows={link.joint_rows} must be a multiple of block_n={tactic.block_n}"
+    if (link.joint_rows or link.waits) and tactic.split_k > 1:
+        return "a chained launch cannot split K"
+    if link.waits and (tactic.x_via_l1 or tactic.x_tma):
+        # x was written moments ago by other SMs: only L2 holds it coherently, and TMA reads through another proxy.
+        return "a waiting launch loads x from L2 only (x_via_l1 and x_tma are not allowed)"
+    return None
+
+
 def block_t_for(m: int) -> int:
     """Smallest token tile covering ``m`` (larger M spreads over grid y in tiles of 64)."""
     return next((t for t in (16, 32, 64) if m <= t), 64)
@@ -185,11 +220,13 @@ def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]
 class SkinnyGemm:
     """The kernel for one tactic and one static problem (N, K, row strides); M is a runtime value."""
 
-    def __init__(self, tactic: Tactic, n: int, k: int, x_row_stride: int, w_row_stride: int) -> None:
-        reason = validate_tactic(tactic, n, k, x_row_stride)
+    def __init__(
+        self, tactic: Tactic, n: int, k: int, x_row_stride: int, w_row_stride: int, link: Link = NO_LINK
+    ) -> None:
+        reason = validate_tactic(tactic, n, k, x_row_stride) or validate_link(link, tactic)
         if reason is not None:
             raise ValueError(reason)
-        self.tactic = tactic
+        self.tactic, self.link = tactic, link
         self.n, self.k = n, k
         self.x_row_stride, self.w_row_stride = x_row_stride, w_row_stride
 
@@ -219,8 +256,8 @@ class SkinnyGemm:
     @cute.jit
     def __call__(self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, stream):
         """``m_x`` (M, K), ``m_w`` (N, K), ``m_out_t`` (N, M) = out transposed (stride (1, N)); ``split_k == 1``."""
-        # Without split-K the kernel never touches the workspace or the counters; out_t only fills their slots.
-        self._launch(m_x, m_w, m_out_t, m_out_t, m_out_t, stream)
+        # Slots a launch does not use are filled with out_t; the kernel never touches them.
+        self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_out_t, m_out_t, m_out_t, cutlass.Int32(0), stream)
 
     @cute.jit
     def split_k_call(
@@ -230,9 +267,26 @@ class SkinnyGemm:
         """As :meth:`__call__` for ``split_k > 1``, plus ``m_work`` the fp32 workspace (N, M, split_k) with strides
         (1, N, M*N) and ``m_arrivals`` int32 arrival counters (one per output tile, N/block_n * ceil(M/block_t)),
         zero on entry and left zero on exit."""
-        self._launch(m_x, m_w, m_out_t, m_work, m_arrivals, stream)
+        self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_work, m_arrivals, m_arrivals, cutlass.Int32(0), stream)
 
-    def _launch(self, m_x, m_w, m_out_t, m_work, m_arrivals, stream):
+    @cute.jit
+    def joint_call(
+        self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, m_w2: cute.Tensor, m_out2_t: cute.Tensor,
+        m_chain: cute.Tensor, stream,
+    ):
+        """As :meth:`__call__`, plus the joint weight ``m_w2`` (joint_rows, K) into ``m_out2_t`` (joint_rows, M)
+        (stride (1, joint_rows)), and ``m_chain`` the two int32 counters (see :class:`Link`)."""
+        self._launch(m_x, m_w, m_out_t, m_w2, m_out2_t, m_chain, m_chain, m_chain, cutlass.Int32(0), stream)
+
+    @cute.jit
+    def waiting_call(
+        self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, m_chain: cute.Tensor, expected: cutlass.Int32,
+        stream,
+    ):
+        """As :meth:`__call__`, loading x only once ``m_chain[0] == expected`` (see :class:`Link`)."""
+        self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_chain, m_chain, m_chain, expected, stream)
+
+    def _launch(self, m_x, m_w, m_out_t, m_w2, m_out2_t, m_work, m_arrivals, m_chain, expected, stream):
         t = self.tactic
         dtype = m_w.element_type
         along_rows, along_tokens = t.warp_grid
@@ -243,7 +297,8 @@ class SkinnyGemm:
         )
         s_w_layout = self._smem_layout(t.block_n)
         s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
-        grid = (self.n // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
+        rows = self.n + self.link.joint_rows
+        grid = (rows // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         g2s_w = self._g2s_copy(dtype, False)
         if cutlass.const_expr(t.x_tma):
             # The descriptor is encoded per call from m_x, so it covers this call's M (rows past it read as zero).
@@ -252,13 +307,10 @@ class SkinnyGemm:
             )
         else:
             x_copy, x_src = self._g2s_copy(dtype, t.x_via_l1), m_x
-        self.kernel(m_x, m_w, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma).launch(
-            grid=grid,
-            block=[t.threads, 1, 1],
-            smem=t.smem_bytes(),
-            stream=stream,
-            use_pdl=t.pdl,
-        )
+        self.kernel(
+            m_x, m_w, m_out_t, m_w2, m_out2_t, m_work, m_arrivals, m_chain, expected,
+            s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma,
+        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -266,8 +318,12 @@ class SkinnyGemm:
         m_x: cute.Tensor,
         m_w: cute.Tensor,
         m_out_t: cute.Tensor,
+        m_w2: cute.Tensor,
+        m_out2_t: cute.Tensor,
         m_work: cute.Tensor,
         m_arrivals: cute.Tensor,
+        m_chain: cute.Tensor,
+        expected: cutlass.Int32,
         s_w_layout: cute.ComposedLayout,
         s_x_layout: cute.ComposedLayout,
         g2s_w: cute.TiledCopy,
@@ -276,20 +332,37 @@ class SkinnyGemm:
         mma: cute.TiledMma,
     ):
         """``x_copy`` / ``x_src``: the cp.async tiled copy and ``m_x``, or with ``x_tma`` the TMA atom and its
-        coordinate tensor over ``m_x``."""
-        t = self.tactic
+        coordinate tensor over ``m_x``. ``m_w2`` / ``m_out2_t``: the joint weight and its output, and ``m_chain``
+        / ``expected`` the chain counters and count (see :class:`Link`); slots a launch does not use hold other
+        tensors and are never touched."""
+        t, link = self.tactic, self.link
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, bidz = cute.arch.block_idx()
         m_tokens = m_x.shape[0]
         k_tiles = self.k // t.block_k // t.split_k
         k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
 
+        # A joint launch's first row blocks belong to the joint weight: CTAs start in block order as the previous
+        # kernel's CTAs leave, so these start first and end early, and the launch waiting for them starts early.
+        # Both weights' tiles are partitioned (each at a valid block index); each load and store picks one by the
+        # CTA's uniform flag.
+        joint_blocks = link.joint_rows // t.block_n
+        joint = cutlass.Int32(0)
+        if cutlass.const_expr(joint_blocks > 0):
+            if bidx < joint_blocks:
+                joint = cutlass.Int32(1)
+        block_a = (bidx - joint_blocks) * (1 - joint)
+        block_b = bidx * joint
+
         # Tiles of this CTA: gW (block_n, block_k, k_tiles), gX (block_t, block_k, k_tiles), gO (block_n, block_t)
-        g_w = cute.local_tile(m_w, (t.block_n, t.block_k), (bidx, None))
+        g_w = cute.local_tile(m_w, (t.block_n, t.block_k), (block_a, None))
         g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (bidy, None))
-        g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
+        g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (block_a, bidy))
         c_x = cute.local_tile(cute.make_identity_tensor(m_x.shape), (t.block_t, t.block_k), (bidy, None))
-        c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
+        c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (block_a, bidy))
+        g_w2 = cute.local_tile(m_w2, (t.block_n, t.block_k), (block_b, None))
+        g_o2 = cute.local_tile(m_out2_t, (t.block_n, t.block_t), (block_b, bidy))
+        c_o2 = cute.local_tile(cute.make_identity_tensor(m_out2_t.shape), (t.block_n, t.block_t), (block_b, bidy))
 
         smem = cutlass.memory.SmemAllocator()
         s_w = smem.allocate_tensor(m_w.element_type, s_w_layout, 128)
@@ -304,6 +377,7 @@ class SkinnyGemm:
 
         thr_g2s_w = g2s_w.get_slice(tidx)
         t_gw = thr_g2s_w.partition_S(g_w)
+        t_gw2 = thr_g2s_w.partition_S(g_w2)
         t_sw = thr_g2s_w.partition_D(s_w)
         if cutlass.const_expr(t.x_tma):
             t_sx, t_gx = cute.nvgpu.cpasync.tma_partition(
@@ -342,8 +416,22 @@ class SkinnyGemm:
         # both operands of K-tile s have landed.
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                cute.copy(g2s_w, t_gw[None, None, None, k_first + s], t_sw[None, None, None, s])
-        if cutlass.const_expr(t.pdl):
+                self._load_w(g2s_w, t_gw, t_gw2, t_sw, joint, k_first + s, s)
+        if cutlass.const_expr(link.waits):
+            # The next kernel may take the slots QKVG's CTAs free as early as it would behind QKVG itself; it still
+            # waits for this launch to complete (which waits for QKVG's, see _count_out).
+            if cutlass.const_expr(t.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            # x is the joint tiles' output of the launch before, which may still be running: wait for them only.
+            # Relaxed polls and one fence after: an acquire load invalidates this SM's L1 each time, which the
+            # QKVG CTAs beside it use to share activations.
+            if tidx == 0:
+                arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
+                while arrived < expected:
+                    arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
+                cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+        elif cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
             # Releasing the next kernel this early lets its weight prologue overlap our tail.
             cute.arch.griddepcontrol_launch_dependents()
@@ -386,7 +474,7 @@ class SkinnyGemm:
             if nxt < k_tiles:
                 slot = nxt % t.stages
                 k_load = k_first + nxt
-                cute.copy(g2s_w, t_gw[None, None, None, k_load], t_sw[None, None, None, slot])
+                self._load_w(g2s_w, t_gw, t_gw2, t_sw, joint, k_load, slot)
                 self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx)
             cute.arch.cp_async_commit_group()
             read = k_tile % t.stages
@@ -401,8 +489,45 @@ class SkinnyGemm:
             # Only the CTA that arrived last holds the full sum; the others are done.
             if s_last[0] == t.split_k - 1:
                 self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+        elif cutlass.const_expr(link.joint_rows > 0):
+            if joint != 0:
+                self._store_tile(acc, thr_mma, s_o, g_o2, c_o2, m_tokens, tidx)
+                # Release: the whole tile is visible device-wide before thread 0 counts it in.
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
+            else:
+                self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
         else:
             self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+        if cutlass.const_expr(link.waits):
+            self._count_out(m_chain, tidx)
+
+    @cute.jit
+    def _load_w(self, g2s_w, t_gw, t_gw2, t_sw, joint, k, slot):
+        """Start loading weight K-tile ``k`` into ring slot ``slot``, from the joint weight where ``joint``."""
+        if cutlass.const_expr(self.link.joint_rows > 0):
+            if joint != 0:
+                cute.copy(g2s_w, t_gw2[None, None, None, k], t_sw[None, None, None, slot])
+            else:
+                cute.copy(g2s_w, t_gw[None, None, None, k], t_sw[None, None, None, slot])
+        else:
+            cute.copy(g2s_w, t_gw[None, None, None, k], t_sw[None, None, None, slot])
+
+    @cute.jit
+    def _count_out(self, m_chain, tidx):
+        """A waiting launch's exit: count this CTA in on ``chain[1]`` (it passed its wait); the last CTA resets both
+        counters for the next pair on the stream. Then wait for the launch before to complete, so that kernels
+        after this one see a completed stage, as with any other launch."""
+        if tidx == 0:
+            ctas = cute.arch.grid_dim()
+            passed = cute.arch.atomic_add(m_chain.iterator + 1, cutlass.Int32(1), sem="relaxed", scope="gpu")
+            if passed == ctas[0] * ctas[1] * ctas[2] - 1:
+                m_chain[0] = 0
+                m_chain[1] = 0
+        if cutlass.const_expr(self.tactic.pdl):
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def _load_x(self, x_copy, t_gx, t_sx, p_x, x_full, k, slot, tidx):

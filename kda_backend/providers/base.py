@@ -8,6 +8,8 @@ Roles of the projection stage (shapes from :class:`kda_backend.geometry.KDAGeome
 
 A provider answers :meth:`GemmProvider.why_not` per call (``None`` = supported) so dispatch can log a precise
 reason, and :meth:`GemmProvider.run` writes into a caller-provided output (no allocation inside CUDA graphs).
+A provider may also serve the whole stage chained (:meth:`GemmProvider.run_chained`): QKVG and F_A/beta in one
+launch, F_B in a second that waits only for F_A/beta's output.
 """
 
 from __future__ import annotations
@@ -67,6 +69,21 @@ class GemmProvider(abc.ABC):
 
     def prepare(self, call: GemmCall) -> None:
         """Compile or load whatever ``call`` needs; called before CUDA-graph capture, never inside it."""
+
+    def why_not_chained(self, calls: dict[str, GemmCall]) -> str | None:
+        """``None`` if this provider can run the chained stage for ``calls`` (one per role), else why not."""
+        return f"provider {self.name!r} has no chained stage"
+
+    def prepare_chained(self, calls: dict[str, GemmCall]) -> None:
+        """As :meth:`prepare`, for the chained stage."""
+
+    def run_chained(
+        self, x: torch.Tensor, weights: dict[str, torch.Tensor], qkvg: torch.Tensor, fab: torch.Tensor,
+        g1: torch.Tensor,
+    ) -> None:
+        """The chained stage on the current stream: ``qkvg = x @ W_qkvg.T`` and ``fab = x @ W_fab.T``, then
+        ``g1 = fab[:, :D] @ W_fb.T`` (D = W_fb's columns). ``weights`` by role; outputs contiguous, written in full."""
+        raise NotImplementedError(f"provider {self.name!r} has no chained stage")
 
     def __repr__(self) -> str:
         return f"<GemmProvider {self.name} priority={self.priority}>"

@@ -7,13 +7,14 @@ from the tuned tactic table when one was loaded (:meth:`CuteDslProvider.add_tact
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
 
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, validate_tactic
+from kda_backend.kernels.skinny_gemm import Link, Tactic, block_t_for, default_tactic, validate_link, validate_tactic
 from kda_backend.providers.base import GemmCall, GemmProvider, cuda_bf16_reason
 
 MAX_M = 64
@@ -66,6 +67,54 @@ class CuteDslProvider(GemmProvider):
         call = GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, x.stride(0), w.stride(0))
         launch(self.tactic(call), x, w, out)
 
+    def chained_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
+        """The joint launch's tactic (QKVG's, or the 16-row default where QKVG's rows do not tile F_A/beta's) and
+        the waiting launch's (F_B's, with activations from L2 and without split-K, see :class:`Link`)."""
+        qkvg, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
+        joint = self.tactic(qkvg)
+        if validate_tactic(joint, qkvg.n, qkvg.k, qkvg.x_row_stride) or validate_link(Link(joint_rows=fab.n), joint):
+            joint = default_tactic(qkvg.n, qkvg.k, qkvg.m)
+        waiting = dataclasses.replace(self.tactic(fb), x_via_l1=False, x_tma=False, split_k=1)
+        return joint, waiting
+
+    def why_not_chained(self, calls: dict[str, GemmCall]) -> str | None:
+        for call in calls.values():
+            reason = self.why_not(call)
+            if reason is not None:
+                return f"{call.role}: {reason}"
+        if calls["fab"].w_row_stride != calls["qkvg"].w_row_stride:
+            return "F_A/beta's weight rows must have QKVG's stride (one launch reads both)"
+        joint, waiting = self.chained_tactics(calls)
+        fb = calls["fb"]
+        return (validate_link(Link(joint_rows=calls["fab"].n), joint) or validate_link(Link(waits=True), waiting)
+                or validate_tactic(waiting, fb.n, fb.k, fb.x_row_stride))
+
+    def prepare_chained(self, calls: dict[str, GemmCall]) -> None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        joint, waiting = self.chained_tactics(calls)
+        qkvg, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
+        compiled_gemms.get(kernel_key(joint, qkvg.n, qkvg.k, qkvg.x_row_stride, qkvg.w_row_stride, device,
+                                      Link(joint_rows=fab.n)))
+        compiled_gemms.get(kernel_key(waiting, fb.n, fb.k, fb.x_row_stride, fb.w_row_stride, device, Link(waits=True)))
+        arrival_counters.reserve(device)
+
+    def run_chained(
+        self, x: torch.Tensor, weights: dict[str, torch.Tensor], qkvg: torch.Tensor, fab: torch.Tensor,
+        g1: torch.Tensor,
+    ) -> None:
+        w_qkvg, w_fab, w_fb = weights["qkvg"], weights["fab"], weights["fb"]
+        f_a = fab[:, : w_fb.shape[1]]
+        calls = {
+            role: GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, xs.stride(0), w.stride(0))
+            for role, w, xs in (("qkvg", w_qkvg, x), ("fab", w_fab, x), ("fb", w_fb, f_a))
+        }
+        for name, t in (("x", x), ("w_qkvg", w_qkvg), ("w_fab", w_fab), ("w_fb", w_fb), ("qkvg", qkvg), ("fab", fab),
+                        ("g1", g1)):
+            if t.data_ptr() % 16:
+                raise ValueError(f"chained stage: {name} data pointer is not 16-byte aligned")
+        joint, waiting = self.chained_tactics(calls)
+        launch_chained(joint, waiting, x, w_qkvg, qkvg, w_fab, fab, w_fb, g1)
+
 
 def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """``out[M, N] = x @ w.T`` with one tactic (compiled on first use; never inside a capture)."""
@@ -78,3 +127,23 @@ def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     counters = arrival_counters.for_stream(torch.cuda.current_stream(x.device), tiles)
     workspace = torch.empty(tactic.split_k, m, n, device=x.device, dtype=torch.float32)
     kernel(x, w, out.t(), workspace.permute(2, 1, 0), counters)
+
+
+
+def launch_chained(
+    joint: Tactic, waiting: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, w2: torch.Tensor,
+    out2: torch.Tensor, w3: torch.Tensor, out3: torch.Tensor,
+) -> None:
+    """The chained stage on the current stream: ``out = x @ w.T`` and ``out2 = x @ w2.T`` in one launch, then
+    ``out3 = out2[:, :K3] @ w3.T`` (K3 = w3's columns) in a second that starts loading as soon as ``out2`` is stored
+    (see :class:`~kda_backend.kernels.skinny_gemm.Link`). ``w2`` has ``w``'s row stride; compiled on first use."""
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    link = Link(joint_rows=w2.shape[0])
+    first = compiled_gemms.get(kernel_key(joint, n, k, x.stride(0), w.stride(0), x.device, link))
+    x3 = out2[:, : w3.shape[1]]
+    second = compiled_gemms.get(
+        kernel_key(waiting, w3.shape[0], w3.shape[1], x3.stride(0), w3.stride(0), x.device, Link(waits=True))
+    )
+    chain = arrival_counters.chain_for_stream(torch.cuda.current_stream(x.device))
+    first(x, w, out.t(), w2, out2.t(), chain)
+    second(x3, w3, out3.t(), chain, link.joint_rows // joint.block_n * -(-m // joint.block_t))
