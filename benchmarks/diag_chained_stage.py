@@ -2,8 +2,9 @@
 
 Chained: F_A/beta rides in QKVG's launch (its row blocks after QKVG's), and F_B, launched programmatically on the
 same stream, starts as soon as F_A/beta's tiles are stored (``skinny_gemm.Link``). Overlapped: the default side
-chain forked beside QKVG. Each variant's outputs are checked against fp32 after its timing (outputs poisoned first),
-and the chain counters must be zero again.
+chain forked beside QKVG. Sequential: the overlapped kernels one after another on one stream (what an overlapped
+plan runs where the host does not allow a fork). Each variant's outputs are checked against fp32 after its timing
+(outputs poisoned first), and the chain counters must be zero again.
 
 Usage (GPU machine): python benchmarks/diag_chained_stage.py 1,8,16 [joint QKVG keys [F_B keys]]
 (keys as in ``stage_operands.parse_tactic``; defaults: the QKVG default, and F_B ``n16k128s2p``)
@@ -81,15 +82,17 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
             for b in bufs:
                 b.fill_(float("nan"))
 
-    variants = {"overlapped": None}
-    variants.update({f"chained {j.key()} -> {w.key()}": (j, w) for j in joints for w in waitings})
+    unchained = {  # the overlapped kernels, forked or one after another
+        "overlapped": lambda: overlapped_time(qkvg, side, aux),
+        "sequential": lambda: graph_time_per_layer(lambda i: (qkvg(i), side(i))),
+    }
+    pairs = {f"chained {j.key()} -> {w.key()}": (j, w) for j in joints for w in waitings}
     for i in range(ops.copies):  # compile everything before capture
         qkvg(i)
         side(i)
-        for pair in variants.values():
-            if pair:
-                chained(i, *pair)
-                joint_only(i, pair[0])
+        for pair in pairs.values():
+            chained(i, *pair)
+            joint_only(i, pair[0])
     for rnd in range(2):
         alone = graph_time_per_layer(qkvg) * 1e6
         print(f"M={m:2} round {rnd} QKVG alone {alone:6.2f} us", flush=True)
@@ -97,29 +100,31 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
             t = graph_time_per_layer(lambda i, joint=joint: joint_only(i, joint)) * 1e6
             print(f"M={m:2} round {rnd} joint QKVG + F_A/beta alone {joint.key():20} {t:6.2f} us "
                   f"(+{t - alone:5.2f} over QKVG alone)", flush=True)
-        for label, pair in variants.items():
-            if pair is None:
-                t = overlapped_time(qkvg, side, aux) * 1e6
-                poison()
-                for i in range(ops.copies):
-                    qkvg(i)
-                    side(i)
-            else:
-                t = graph_time_per_layer(lambda i, pair=pair: chained(i, *pair)) * 1e6
-                # Replay with fresh inputs into poisoned outputs: a counter left over would let F_B read poison.
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for i in range(ops.copies):
-                        chained(i, *pair)
-                for x in ops.xs:
-                    x.normal_()
-                poison()
-                graph.replay()
-                graph.replay()
-                err = check(label + " (replay)")
-                poison()
+        results = []
+        for label, timed in unchained.items():
+            t = timed() * 1e6
+            poison()
+            for i in range(ops.copies):
+                qkvg(i)
+                side(i)
+            results.append((label, t, check(label)))
+        for label, pair in pairs.items():
+            t = graph_time_per_layer(lambda i, pair=pair: chained(i, *pair)) * 1e6
+            # Replay with fresh inputs into poisoned outputs: a counter left over would let F_B read poison.
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 for i in range(ops.copies):
                     chained(i, *pair)
-            err = max(err, check(label)) if pair else check(label)
+            for x in ops.xs:
+                x.normal_()
+            poison()
+            graph.replay()
+            graph.replay()
+            err = check(label + " (replay)")
+            poison()
+            for i in range(ops.copies):
+                chained(i, *pair)
+            results.append((label, t, max(err, check(label))))
+        for label, t, err in results:
             print(f"M={m:2} round {rnd} {label:40} {t:6.2f} us ({t / floor:.3f}x floor, +{t - alone:5.2f} over "
                   f"QKVG alone) max rel.err {err:.1e}", flush=True)

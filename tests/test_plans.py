@@ -101,7 +101,8 @@ def test_forced_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_PLAN", "sequential")
     assert not forced_plan()[0].step(1).overlap
     monkeypatch.setenv("KDA_BACKEND_PLAN", "chained")
-    assert forced_plan()[0].step(64).mode == "chained"
+    chained = forced_plan()[0]
+    assert chained.step(16).mode == "chained" and chained.step(17) == SEQUENTIAL_TORCH
     path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(path))
     assert forced_plan() == (PLAN, TACTICS)
