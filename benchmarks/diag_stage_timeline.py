@@ -1,9 +1,10 @@
-"""Diagnostic: when each CTA of QKVG, F_A/beta and F_B starts, passes its PDL wait and ends, alone and in the
-overlapped stage (TP8, default side-chain tactics).
+"""Diagnostic: when each CTA of QKVG, F_A/beta and F_B starts, passes its PDL wait and ends: QKVG alone, the
+overlapped stage and the chained stage (TP8, default side-chain tactics).
 
 The kernels timed here are built from a copy of ``skinny_gemm.py`` patched in memory so that thread 0 of each CTA
-writes ``%globaltimer`` (low word) at entry, after ``griddepcontrol.wait`` and at exit, and its SM id into a
-per-layer buffer passed as the arrival-counter argument (after split-K's own counters). Times are
+writes ``%globaltimer`` (low word) at entry, after its wait (``griddepcontrol.wait``, or a chained F_B's wait for
+F_A/beta's tiles) and at exit, and its SM id into a per-layer buffer passed as the arrival-counter argument (after
+split-K's own counters, or the chain's two, which the joint and waiting launches share). Times are
 relative to the release of the layer's first QKVG PDL wait, summarised over the middle layers of one graph replay
 of 24 layers; with ``OUT`` set, the raw records are saved there too.
 

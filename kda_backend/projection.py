@@ -201,6 +201,7 @@ class KDAProjection:
         return (
             self.weights.packed is not None
             and not step.overlap
+            and (not step.chained or self.chained_provider(m) is None)
             and self.provider("qkvg", m).name == "torch"
             and self.provider("fab", m).name == "torch"
         )

@@ -1,9 +1,11 @@
-"""Arrival counters for the split-K kernel's in-kernel reduction, one zeroed set per CUDA stream.
+"""Arrival counters for the split-K kernel's in-kernel reduction and the chained stage, one zeroed set per stream.
 
 Each split-K launch counts its CTAs in per output tile; the last to arrive reduces and resets the tile's counter to
 zero, so a set is zero again whenever no kernel using it is running. Kernels on one stream never overlap in their
 counter use (with programmatic launch, a kernel touches counters only after ``griddepcontrol.wait``, i.e. after its
-predecessor finished), so one set per stream is race-free; kernels on different streams get different sets.
+predecessor finished), so one set per stream is race-free; kernels on different streams get different sets. The
+last two counters of a set belong to the chained stage (:class:`~kda_backend.kernels.skinny_gemm.Link`): its two
+launches use them together, and the pair leaves them at zero before the next pair on the stream can touch them.
 
 The sets are rows of one zero-initialised arena per device, allocated on first use outside capture (the provider's
 ``prepare`` reserves it before any capture; inside a capture a missing arena is an error, like an uncompiled
@@ -56,7 +58,7 @@ class ArrivalCounters:
             return arena
 
     def for_stream(self, stream: torch.cuda.Stream, tiles: int) -> torch.Tensor:
-        """The counters ``[COUNTERS_PER_STREAM]`` of ``stream`` for a launch with ``tiles`` output tiles."""
+        """The split-K counters ``[SPLIT_K_COUNTERS]`` of ``stream`` for a launch with ``tiles`` output tiles."""
         if tiles > SPLIT_K_COUNTERS:
             raise ValueError(f"split-K launch has {tiles} output tiles > {SPLIT_K_COUNTERS} arrival counters")
         return self._row(stream)[:SPLIT_K_COUNTERS]

@@ -139,7 +139,9 @@ class Link:
         itself in on ``chain[0]`` once stored. 0: one weight.
     :param waits: load x only after ``chain[0]`` reached the launch's ``expected`` count (every joint tile of the
         launch before it). Each CTA then counts itself in on ``chain[1]``; the last resets both counters. The
-        kernel ends with ``griddepcontrol.wait``, so it never completes before the launch it waits for.
+        kernel ends with ``griddepcontrol.wait``, so it never completes before the launch it waits for. Its wait
+        cannot block the joint launch: a programmatic launch starts only once every CTA of the launch before has
+        started (each releases it right after its own PDL wait), and a plain one only after that launch completed.
     """
 
     joint_rows: int = 0
@@ -342,10 +344,10 @@ class SkinnyGemm:
         k_tiles = self.k // t.block_k // t.split_k
         k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
 
-        # A joint launch's first row blocks belong to the joint weight: CTAs start in block order as the previous
-        # kernel's CTAs leave, so these start first and end early, and the launch waiting for them starts early.
-        # Both weights' tiles are partitioned (each at a valid block index); each load and store picks one by the
-        # CTA's uniform flag.
+        # A joint launch's first row blocks belong to the joint weight, so their CTAs start first (measured on H200:
+        # they still end with the slowest QKVG CTAs, see benchmarks/RESULTS.md, 2026-11-30 fifth session). Both
+        # weights' tiles are partitioned (each at a valid block index); each load and store picks one by the CTA's
+        # uniform flag.
         joint_blocks = link.joint_rows // t.block_n
         joint = cutlass.Int32(0)
         if cutlass.const_expr(joint_blocks > 0):
