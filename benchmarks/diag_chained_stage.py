@@ -2,14 +2,17 @@
 
 Chained: F_A/beta rides in QKVG's launch (its row blocks after QKVG's), and F_B, launched programmatically on the
 same stream, starts as soon as F_A/beta's tiles are stored (``skinny_gemm.Link``). Overlapped: the default side
-chain forked beside QKVG. Sequential: the overlapped kernels one after another on one stream (what an overlapped
-plan runs where the host does not allow a fork). Each variant's outputs are checked against fp32 after its timing
-(outputs poisoned first), and the chain counters must be zero again.
+chain forked beside QKVG. Sequential: the overlapped kernels one after another on one stream. Trailing: the same
+kernels on one stream, the side chain launched programmatically right behind QKVG and running beside it (what an
+overlapped plan runs where the host does not allow a fork); its outputs must equal the sequential ones bit for bit.
+Each variant's outputs are checked against fp32 after its timing (outputs poisoned first), and the chain counters
+must be zero again.
 
 Usage (GPU machine): python benchmarks/diag_chained_stage.py 1,8,16 [joint QKVG keys [F_B keys]]
 (keys as in ``stage_operands.parse_tactic``; defaults: the QKVG default, and F_B ``n16k128s2p``)
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -19,7 +22,7 @@ from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.skinny_gemm import Link, default_tactic
-from kda_backend.providers.cute_provider import launch_chained
+from kda_backend.providers.cute_provider import launch_chained, launch_trailing
 from kda_backend.timing import copy_bandwidth, graph_time_per_layer
 from stage_operands import StageOperands, overlapped_time, parse_tactic
 
@@ -52,6 +55,14 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
         ops.fab_gemm(t_fab, i)
         ops.fb_gemm(t_fb, i)
 
+    t_fab_l2 = dataclasses.replace(t_fab, x_via_l1=False)
+    t_fb_l2 = dataclasses.replace(t_fb, x_via_l1=False, x_tma=False)
+
+    def trailing(i):
+        j = i % ops.copies
+        qkvg(i)
+        launch_trailing(t_fab_l2, t_fb_l2, ops.xs[j], weights[j].w_fab, ops.fab[j], weights[j].w_fb, ops.g1[j])
+
     def chained(i, joint, waiting):
         j = i % ops.copies
         w = weights[j]
@@ -82,14 +93,16 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
             for b in bufs:
                 b.fill_(float("nan"))
 
-    unchained = {  # the overlapped kernels, forked or one after another
-        "overlapped": lambda: overlapped_time(qkvg, side, aux),
-        "sequential": lambda: graph_time_per_layer(lambda i: (qkvg(i), side(i))),
+    unchained = {  # the overlapped kernels: (timed per layer, run once eagerly for the checks)
+        "overlapped": (lambda: overlapped_time(qkvg, side, aux), lambda i: (qkvg(i), side(i))),
+        "sequential": (lambda: graph_time_per_layer(lambda i: (qkvg(i), side(i))), lambda i: (qkvg(i), side(i))),
+        "trailing": (lambda: graph_time_per_layer(trailing), trailing),
     }
     pairs = {f"chained {j.key()} -> {w.key()}": (j, w) for j in joints for w in waitings}
     for i in range(ops.copies):  # compile everything before capture
         qkvg(i)
         side(i)
+        trailing(i)
         for pair in pairs.values():
             chained(i, *pair)
             joint_only(i, pair[0])
@@ -100,14 +113,17 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
             t = graph_time_per_layer(lambda i, joint=joint: joint_only(i, joint)) * 1e6
             print(f"M={m:2} round {rnd} joint QKVG + F_A/beta alone {joint.key():20} {t:6.2f} us "
                   f"(+{t - alone:5.2f} over QKVG alone)", flush=True)
-        results = []
-        for label, timed in unchained.items():
+        results, sequential_bits = [], None
+        for label, (timed, eager) in unchained.items():
             t = timed() * 1e6
             poison()
             for i in range(ops.copies):
-                qkvg(i)
-                side(i)
+                eager(i)
             results.append((label, t, check(label)))
+            bits = [b.clone() for bufs in (ops.qkvg, ops.fab, ops.g1) for b in bufs]
+            if sequential_bits is None:
+                sequential_bits = bits
+            assert all(torch.equal(a, b) for a, b in zip(bits, sequential_bits)), f"{label}: other bits"
         for label, pair in pairs.items():
             t = graph_time_per_layer(lambda i, pair=pair: chained(i, *pair)) * 1e6
             # Replay with fresh inputs into poisoned outputs: a counter left over would let F_B read poison.

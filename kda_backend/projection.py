@@ -4,7 +4,8 @@
 dtype. Per M the plan says whether the F_A/beta -> F_B chain overlaps the QKVG GEMM on an aux stream, runs chained
 behind it on the same stream (:attr:`~kda_backend.plan.Step.chained`) or after it, and which provider serves each
 GEMM. The fork happens only when the host says it is legal (a full CUDA graph is being captured); otherwise the same
-kernels run sequentially, so eager and replayed results are bit-identical.
+kernels run on one stream, so eager and replayed results are bit-identical: the side chain still runs beside QKVG
+where the provider can trail it behind its own QKVG launch (:meth:`GemmProvider.run_trailing`), else after it.
 
 When the plan leaves a step sequential and both big GEMMs fall to the torch provider over a packed weight, one
 ``torch.mm`` over the packed ``[QKVG; FAB]`` tensor serves both (engines' own sequential path, bit for bit).
@@ -42,6 +43,7 @@ class KDAProjection:
         self._scheduler = OverlapScheduler()
         self._chosen: dict[tuple[str, int], GemmProvider] = {}
         self._chained: dict[int, GemmProvider | None] = {}
+        self._trailing: dict[int, GemmProvider | None] = {}
 
     @property
     def geometry(self) -> KDAGeometry:
@@ -115,6 +117,24 @@ class KDAProjection:
             self._chained[m] = chosen
         return self._chained[m]
 
+    def trailing_provider(self, m: int) -> GemmProvider | None:
+        """The provider that runs an overlapped step's side chain behind its own QKVG launch on one stream at ``m``
+        tokens (where the host does not allow a fork): the one serving all three GEMMs, if it can; else ``None``
+        and the side chain runs after QKVG."""
+        if m not in self._trailing:
+            provider = self.provider("qkvg", m)
+            same = provider is self.provider("fab", m) and provider is self.provider("fb", m)
+            calls = {role: self.gemm_call(role, m) for role in ROLES}
+            chosen = None
+            if same and dispatch.broken_reason(provider.name) is None and provider.why_not_trailing(calls) is None:
+                try:
+                    provider.prepare_trailing(calls)
+                    chosen = provider
+                except Exception as exc:
+                    dispatch.mark_broken(provider, f"trailing side chain: prepare failed: {type(exc).__name__}: {exc}")
+            self._trailing[m] = chosen
+        return self._trailing[m]
+
     def prepare(self, ms: range | list[int]) -> None:
         """Select (and compile) providers for every M in ``ms``; call before CUDA-graph capture. Chained steps
         prepare the per-GEMM providers too: they serve if the chained stage fails."""
@@ -123,6 +143,8 @@ class KDAProjection:
                 self.chained_provider(m)
             for role in ROLES:
                 self.provider(role, m)
+            if self.plan.step(m).overlap:
+                self.trailing_provider(m)
 
     def forward(
         self,
@@ -183,7 +205,8 @@ class KDAProjection:
             self._scheduler.run(main, side, aux)
         else:
             main()
-            side()
+            if not (step.overlap and self._run_trailing(x, fab, g1)):
+                side()
         return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
 
     __call__ = forward
@@ -227,7 +250,7 @@ class KDAProjection:
         """Run the chained stage; ``False`` when no provider can, so the caller runs the GEMMs one by one."""
         m = x.shape[0]
         provider = self.chained_provider(m)
-        if provider is None:
+        if provider is None or dispatch.broken_reason(provider.name) is not None:  # as in _run_trailing
             return False
         w = self.weights
         try:
@@ -237,6 +260,23 @@ class KDAProjection:
                 raise
             dispatch.mark_broken(provider, f"chained stage: {type(exc).__name__}: {exc}")
             self._chained = {}
+            return False
+        return True
+
+    def _run_trailing(self, x: torch.Tensor, fab: torch.Tensor, g1: torch.Tensor) -> bool:
+        """Run the side chain trailing QKVG's launch; ``False`` when no provider can, so the caller runs it after."""
+        provider = self.trailing_provider(x.shape[0])
+        # Another layer may have seen this provider fail since it was cached here (one launch of a pair may have
+        # left the stream's chain counters behind): never use it again.
+        if provider is None or dispatch.broken_reason(provider.name) is not None:
+            return False
+        w = self.weights
+        try:
+            provider.run_trailing(x, {"fab": w.w_fab, "fb": w.w_fb}, fab, g1)
+        except Exception as exc:
+            dispatch.mark_broken(provider, f"trailing side chain: {type(exc).__name__}: {exc}")
+            self._trailing = {}
+            self._chosen = {k: v for k, v in self._chosen.items() if v is not provider}
             return False
         return True
 

@@ -308,11 +308,14 @@ def _chained_keys(tp, arch, joint=None):
 @pytest.mark.parametrize(
     "link, tactic, match",
     [
-        (Link(joint_rows=144, waits=True), Tactic(16, 256, 16, 4), "not both"),
+        (Link(joint_rows=144, waits=True), Tactic(16, 256, 16, 4), "not joint_rows and waits"),
+        (Link(signals=True, waits=True), Tactic(16, 256, 16, 4), "not waits and signals"),
+        (Link(waits=True, x_ready=True), Tactic(16, 128, 16, 2, x_via_l1=False), "not a joint or waiting one"),
         (Link(joint_rows=144), Tactic(32, 256, 16, 4), "multiple of block_n=32"),
         (Link(joint_rows=144), Tactic(16, 128, 16, 3, split_k=2), "cannot split K"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=True), "loads x from L2 only"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True), "loads x from L2 only"),
+        (Link(signals=True, x_ready=True), Tactic(16, 128, 16, 3, split_k=14), "x_via_l1 is not allowed"),
     ],
 )
 def test_validate_link_reasons(link, tactic, match):
@@ -369,3 +372,36 @@ def test_chained_stage_orders_its_signal_and_wait(arch, tmp_path):
     final_wait = waiting.index("griddepcontrol.wait")
     assert release < poll < fence < count_out < final_wait
     assert "cp.async" in waiting[fence:count_out] and "ld.acquire" not in waiting
+
+
+def test_trailing_tactics_are_the_side_chains_with_activations_from_l2():
+    """The trailing side chain computes what the forked one does, bit for bit: the same tactics, only the
+    activation path differs (which changes where loads come from, not the arithmetic)."""
+    g = preset("kimi-k3", 8)
+    p = CuteDslProvider()
+    fab_tuned, fb_tuned = Tactic(16, 128, 16, 3, split_k=14), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True)
+    p.add_tactics({("fab", g.fab_rows, g.hidden_size, 16): fab_tuned, ("fb", g.local_width, g.head_dim, 16): fb_tuned})
+    fab, fb = p.trailing_tactics(_chained_calls())
+    assert fab == dataclasses.replace(fab_tuned, x_via_l1=False) and fb == dataclasses.replace(fb_tuned, x_tma=False)
+    assert p.why_not_trailing(_chained_calls()) is None
+    p.add_tactics({("fb", g.local_width, g.head_dim, 16): Tactic(16, 64, 16, 2, split_k=2)})  # F_B's K is 128
+    assert "cannot split K" in p.why_not_trailing(_chained_calls())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_trailing_side_chain_kernels_compile_and_order_their_waits(arch, tmp_path):
+    """F_A/beta behind QKVG releases the next launch at once, never waits for QKVG before loading x, counts each
+    reduced tile in after storing and fencing it, and waits for QKVG to complete only at its end."""
+    n, k, xs = _roles(8)["fab"]
+    key = KernelKey(Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), n, k, xs, k, arch,
+                    Link(signals=True, x_ready=True))
+    text = _compile_and_dump(key, tmp_path)
+    release = text.index("griddepcontrol.launch_dependents")
+    reduce = text.index("atom.global.acq_rel.add")  # the split-K arrival
+    signal = text.index("atom.global.release.add")
+    final_wait = text.index("griddepcontrol.wait")
+    assert release < reduce < signal < final_wait
+    assert text.rindex("fence.acq_rel.gpu", 0, signal) > reduce and text.count("griddepcontrol.wait") == 1
+    fb_n, fb_k, fb_xs = _roles(8)["fb"]
+    assert compile_gemm(KernelKey(Tactic(16, 128, 16, 2, x_via_l1=False), fb_n, fb_k, fb_xs, fb_k, arch,
+                                  Link(waits=True))) is not None

@@ -9,7 +9,7 @@ import torch
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for
-from kda_backend.providers.cute_provider import CuteDslProvider
+from kda_backend.providers.cute_provider import CuteDslProvider, launch, launch_trailing
 
 pytestmark = pytest.mark.gpu
 
@@ -226,3 +226,38 @@ def test_chained_stage_on_concurrent_streams_keeps_results_apart():
     torch.cuda.synchronize()
     for s in range(2):
         assert all(torch.equal(a, b) for outs in results[s] for a, b in zip(outs, expected[s]))
+
+
+@pytest.mark.parametrize("fab_tactic", [Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14),
+                                        Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True, split_k=7),
+                                        Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
+@pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
+def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
+    """F_A/beta and F_B trailing QKVG on one stream compute exactly what the plain kernels do (what the forked side
+    chain runs), and leave the chain counters at zero."""
+    g = preset("kimi-k3", 8)
+    fab_tactic = dataclasses.replace(fab_tactic, block_t=block_t_for(m))
+    fb_tactic = Tactic(16, 128, block_t_for(m), 2, x_via_l1=False)
+    x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w_qkvg = torch.randn(g.qkvg_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
+    w_fab = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
+    w_fb = torch.randn(*g.fb_shape, device="cuda", dtype=torch.bfloat16) * g.head_dim**-0.5
+    runs = []
+    for trailing in (False, True, True):
+        qkvg, fab, g1 = (torch.full((m, c), float("nan"), device="cuda", dtype=torch.bfloat16)
+                         for c in (g.qkvg_rows, g.fab_rows, g.local_width))
+        launch(Tactic(16, 256, block_t_for(m), 4), x, w_qkvg, qkvg)
+        if trailing:
+            launch_trailing(fab_tactic, fb_tactic, x, w_fab, fab, w_fb, g1)
+        else:
+            launch(fab_tactic, x, w_fab, fab)
+            launch(fb_tactic, fab[:, : g.head_dim], w_fb, g1)
+        runs.append((qkvg, fab, g1))
+    torch.cuda.synchronize()
+    fab = runs[0][1]
+    for out, ref in ((fab, x.float() @ w_fab.float().t()), (runs[0][2], fab[:, : g.head_dim].float() @ w_fb.float().t())):
+        assert not out.isnan().any()
+        assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
+    assert not arrival_counters.for_stream(torch.cuda.current_stream(), 1).any()

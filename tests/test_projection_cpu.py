@@ -319,3 +319,45 @@ def test_plan_naming_a_provider_without_chained_stage_raises():
     proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(chained=True, qkvg="torch")))
     with pytest.raises(ValueError, match="plan provider 'torch' cannot run the chained stage at M=2: provider 'torch'"):
         proj.prepare([2])
+
+
+class _Trailer(_Chainer):
+    """Also runs the overlapped side chain behind its own QKVG launch (torch on the CPU), recording it."""
+
+    name, priority = "trailer", 60
+
+    def why_not_trailing(self, calls):
+        return None
+
+    def run_trailing(self, x, weights, fab, g1):
+        self.calls.append("trailing")
+        if self.fail:
+            raise RuntimeError("trail broke")
+        torch.mm(x, weights["fab"].t(), out=fab)
+        torch.mm(fab[:, : weights["fb"].shape[1]], weights["fb"].t(), out=g1)
+
+
+def test_overlapped_step_without_fork_trails_the_side_chain_behind_qkvg():
+    """Where the host allows no fork (here: the CPU), an overlapped step's side chain trails QKVG's launch on the
+    same stream when one provider serves all three GEMMs and can trail; otherwise it runs after QKVG."""
+    trailer = _Trailer()
+    register_plugin(_Plugin(trailer), "trailer")
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True)))
+    proj.prepare([4])
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert trailer.calls == ["qkvg", "trailing"] and proj.trailing_provider(4) is trailer
+    mixed = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True, fab="torch", fb="torch")))
+    _check_against_reference(mixed, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert mixed.trailing_provider(4) is None and trailer.calls[2:] == ["qkvg"]
+
+
+def test_failing_trailing_side_chain_runs_it_after_qkvg_with_one_warning(kda_log):
+    trailer = _Trailer(fail=True)
+    register_plugin(_Plugin(trailer), "trailer")
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True)))
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert dispatch.broken_reason("trailer") == "trailing side chain: RuntimeError: trail broke"
+    other = KDAProjection(_weights(TINY, seed=1), Plan.uniform(8, Step(overlap=True)))
+    _check_against_reference(other, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert trailer.calls == ["qkvg", "trailing"]  # broken: neither layer asks it again
+    assert len([m for m in kda_log.messages() if "disabled" in m]) == 1

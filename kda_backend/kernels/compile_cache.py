@@ -103,7 +103,8 @@ def _launches_prefer_max_smem():
 def compile_gemm(key: KernelKey) -> Any:
     """Compile one kernel for ``key.arch`` and return the TVM-FFI callable: ``f(x, w, out_t)``, or with split-K
     ``f(x, w, out_t, work, arrivals)`` (see :meth:`SkinnyGemm.split_k_call`), a joint one ``f(x, w, out_t, w2,
-    out2_t, chain)`` and a waiting one ``f(x, w, out_t, chain, expected)`` (see :class:`Link`)."""
+    out2_t, chain)``, a signaling one ``f(x, w, out_t, work, arrivals, chain)`` and a waiting one ``f(x, w, out_t,
+    chain, expected)`` (see :class:`Link`)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -124,12 +125,15 @@ def compile_gemm(key: KernelKey) -> Any:
             kernel = cute.compile(gemm.joint_call, x, w, out_t, w2, out2_t, chain, stream, options=options)
         elif key.link.waits:
             kernel = cute.compile(gemm.waiting_call, x, w, out_t, chain, cutlass.Int32(0), stream, options=options)
-        elif key.tactic.split_k > 1:
+        elif key.tactic.split_k > 1 or key.link.signals:
             work = make_fake_tensor(
                 cutlass.Float32, (key.n, m, key.tactic.split_k), (1, key.n, cute.sym_int64()), assumed_align=16
             )
             arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
-            kernel = cute.compile(gemm.split_k_call, x, w, out_t, work, arrivals, stream, options=options)
+            if key.link.signals:
+                kernel = cute.compile(gemm.signaling_call, x, w, out_t, work, arrivals, chain, stream, options=options)
+            else:
+                kernel = cute.compile(gemm.split_k_call, x, w, out_t, work, arrivals, stream, options=options)
         else:
             kernel = cute.compile(gemm, x, w, out_t, stream, options=options)
     if launches[0] != 1:

@@ -130,22 +130,33 @@ def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """How one launch takes part in the chained projection stage, where F_A/beta rides in QKVG's launch and F_B,
-    launched programmatically behind it, starts as soon as F_A/beta's tiles are stored instead of when QKVG's last
-    CTA ends. The two launches share ``chain``, two int32 counters that are zero before and after the pair.
+    """How one launch takes part in a stage whose launches share one stream and still run concurrently:
+
+    - the chained stage: F_A/beta rides in QKVG's launch (``joint_rows``), and F_B, launched programmatically
+      behind it, starts as soon as F_A/beta's tiles are stored (``waits``) instead of when QKVG's last CTA ends;
+    - the overlap on one stream: QKVG, then F_A/beta (``x_ready``, ``signals``), then F_B (``waits``), each launched
+      programmatically behind the one before; the same kernels as the forked overlap, so the same bits.
+
+    The launches that signal and wait share ``chain``, two int32 counters that are zero before and after them.
 
     :param joint_rows: rows of a second weight ``[joint_rows, K]`` multiplied by the same x in the same launch into
         a second output (its row blocks come first in grid x); each of its output tiles counts
         itself in on ``chain[0]`` once stored. 0: one weight.
-    :param waits: load x only after ``chain[0]`` reached the launch's ``expected`` count (every joint tile of the
-        launch before it). Each CTA then counts itself in on ``chain[1]``; the last resets both counters. The
+    :param waits: load x only after ``chain[0]`` reached the launch's ``expected`` count (every joint or signaling
+        tile of the launch before it). Each CTA then counts itself in on ``chain[1]``; the last resets both counters. The
         kernel ends with ``griddepcontrol.wait``, so it never completes before the launch it waits for. Its wait
         cannot block the joint launch: a programmatic launch starts only once every CTA of the launch before has
         started (each releases it right after its own PDL wait), and a plain one only after that launch completed.
+    :param signals: each output tile, once stored (a split-K tile once reduced), counts itself in on ``chain[0]``.
+    :param x_ready: launched programmatically right behind the kernel that waited for x (QKVG), so x is complete
+        when this launch starts: no ``griddepcontrol.wait`` before loading x; the next launch is released at once,
+        and the kernel ends with ``griddepcontrol.wait``, so it never completes before the launch before it.
     """
 
     joint_rows: int = 0
     waits: bool = False
+    signals: bool = False
+    x_ready: bool = False
 
 
 NO_LINK = Link()  # a plain GEMM
@@ -153,15 +164,21 @@ NO_LINK = Link()  # a plain GEMM
 
 def validate_link(link: Link, tactic: Tactic) -> str | None:
     """``None`` if ``tactic`` can take part in the chained stage as ``link`` says, else why not."""
-    if link.joint_rows and link.waits:
-        return "a launch either computes a joint weight or waits for one, not both"
+    roles = [name for name in ("joint_rows", "waits", "signals") if getattr(link, name)]
+    if len(roles) > 1:
+        return f"a launch takes one role in a linked stage, not {' and '.join(roles)}"
+    if link.x_ready and (link.joint_rows or link.waits):
+        return "x_ready is for a launch behind QKVG's (signals), not a joint or waiting one"
     if link.joint_rows % tactic.block_n:
         return f"joint_rows={link.joint_rows} must be a multiple of block_n={tactic.block_n}"
     if (link.joint_rows or link.waits) and tactic.split_k > 1:
-        return "a chained launch cannot split K"
+        return "a joint or waiting launch cannot split K"
     if link.waits and (tactic.x_via_l1 or tactic.x_tma):
         # x was written moments ago by other SMs: only L2 holds it coherently, and TMA reads through another proxy.
         return "a waiting launch loads x from L2 only (x_via_l1 and x_tma are not allowed)"
+    if link.x_ready and tactic.x_via_l1:
+        # It never waited for the kernel that wrote x, so this SM's L1 may still hold an older copy.
+        return "an x_ready launch loads x from L2 (x_via_l1 is not allowed)"
     return None
 
 
@@ -279,6 +296,15 @@ class SkinnyGemm:
         """As :meth:`__call__`, plus the joint weight ``m_w2`` (joint_rows, K) into ``m_out2_t`` (joint_rows, M)
         (stride (1, joint_rows)), and ``m_chain`` the two int32 counters (see :class:`Link`)."""
         self._launch(m_x, m_w, m_out_t, m_w2, m_out2_t, m_chain, m_chain, m_chain, cutlass.Int32(0), stream)
+
+    @cute.jit
+    def signaling_call(
+        self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, m_work: cute.Tensor, m_arrivals: cute.Tensor,
+        m_chain: cute.Tensor, stream,
+    ):
+        """As :meth:`split_k_call` (workspace and arrival counters unused without split-K), plus ``m_chain`` the
+        two int32 counters its stored tiles count themselves in on (see :class:`Link`)."""
+        self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_work, m_arrivals, m_chain, cutlass.Int32(0), stream)
 
     @cute.jit
     def waiting_call(
@@ -433,6 +459,9 @@ class SkinnyGemm:
                     arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
                 cute.arch.fence_acq_rel_gpu()
             cute.arch.sync_threads()
+        elif cutlass.const_expr(link.x_ready):
+            if cutlass.const_expr(t.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
         elif cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
             # Releasing the next kernel this early lets its weight prologue overlap our tail.
@@ -491,20 +520,30 @@ class SkinnyGemm:
             # Only the CTA that arrived last holds the full sum; the others are done.
             if s_last[0] == t.split_k - 1:
                 self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+                if cutlass.const_expr(link.signals):
+                    self._signal(m_chain, tidx)
         elif cutlass.const_expr(link.joint_rows > 0):
             if joint != 0:
                 self._store_tile(acc, thr_mma, s_o, g_o2, c_o2, m_tokens, tidx)
-                # Release: the whole tile is visible device-wide before thread 0 counts it in.
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.sync_threads()
-                if tidx == 0:
-                    cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
+                self._signal(m_chain, tidx)
             else:
                 self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
         else:
             self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+            if cutlass.const_expr(link.signals):
+                self._signal(m_chain, tidx)
         if cutlass.const_expr(link.waits):
             self._count_out(m_chain, tidx)
+        elif cutlass.const_expr(link.x_ready and t.pdl):
+            cute.arch.griddepcontrol_wait()
+
+    @cute.jit
+    def _signal(self, m_chain, tidx):
+        """Count this CTA's stored tile in on ``chain[0]``; release: the whole tile is visible device-wide first."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def _load_w(self, g2s_w, t_gw, t_gw2, t_sw, joint, k, slot):

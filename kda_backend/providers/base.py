@@ -9,7 +9,8 @@ Roles of the projection stage (shapes from :class:`kda_backend.geometry.KDAGeome
 A provider answers :meth:`GemmProvider.why_not` per call (``None`` = supported) so dispatch can log a precise
 reason, and :meth:`GemmProvider.run` writes into a caller-provided output (no allocation inside CUDA graphs).
 A provider may also serve the whole stage chained (:meth:`GemmProvider.run_chained`): QKVG and F_A/beta in one
-launch, F_B in a second that waits only for F_A/beta's output.
+launch, F_B in a second that waits only for F_A/beta's output; and the overlapped side chain on QKVG's own stream
+(:meth:`GemmProvider.run_trailing`), where the host does not allow a fork.
 """
 
 from __future__ import annotations
@@ -69,6 +70,21 @@ class GemmProvider(abc.ABC):
 
     def prepare(self, call: GemmCall) -> None:
         """Compile or load whatever ``call`` needs; called before CUDA-graph capture, never inside it."""
+
+    def why_not_trailing(self, calls: dict[str, GemmCall]) -> str | None:
+        """``None`` if this provider can run the side chain trailing its own QKVG launch for ``calls``, else why not."""
+        return f"provider {self.name!r} has no trailing side chain"
+
+    def prepare_trailing(self, calls: dict[str, GemmCall]) -> None:
+        """As :meth:`prepare`, for the trailing side chain."""
+
+    def run_trailing(
+        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor
+    ) -> None:
+        """The side chain on the current stream, right behind this provider's QKVG launch and beside it:
+        ``fab = x @ W_fab.T``, then ``g1 = fab[:, :D] @ W_fb.T``, bit for bit what :meth:`run` computes for them
+        (the forked side chain), without a second stream. ``weights`` by role."""
+        raise NotImplementedError(f"provider {self.name!r} has no trailing side chain")
 
     def why_not_chained(self, calls: dict[str, GemmCall]) -> str | None:
         """``None`` if this provider can run the chained stage for ``calls`` (one per role), else why not."""

@@ -77,6 +77,39 @@ class CuteDslProvider(GemmProvider):
         waiting = dataclasses.replace(self.tactic(fb), x_via_l1=False, x_tma=False, split_k=1)
         return joint, waiting
 
+    def trailing_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
+        """F_A/beta's and F_B's tactics, with activations from L2 (see :meth:`run_trailing`)."""
+        fab = dataclasses.replace(self.tactic(calls["fab"]), x_via_l1=False)
+        fb = dataclasses.replace(self.tactic(calls["fb"]), x_via_l1=False, x_tma=False)
+        return fab, fb
+
+    def why_not_trailing(self, calls: dict[str, GemmCall]) -> str | None:
+        for call in calls.values():
+            reason = self.why_not(call)
+            if reason is not None:
+                return f"{call.role}: {reason}"
+        fab, fb = self.trailing_tactics(calls)
+        return validate_link(Link(signals=True, x_ready=True), fab) or validate_link(Link(waits=True), fb)
+
+    def prepare_trailing(self, calls: dict[str, GemmCall]) -> None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        fab, fb = self.trailing_tactics(calls)
+        for role, tactic, link in (("fab", fab, Link(signals=True, x_ready=True)), ("fb", fb, Link(waits=True))):
+            call = calls[role]
+            compiled_gemms.get(kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device, link))
+        arrival_counters.reserve(device)
+
+    def run_trailing(
+        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor
+    ) -> None:
+        w_fab, w_fb = weights["fab"], weights["fb"]
+        f_a = fab[:, : w_fb.shape[1]]
+        calls = {
+            role: GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, xs.stride(0), w.stride(0))
+            for role, w, xs in (("fab", w_fab, x), ("fb", w_fb, f_a))
+        }
+        launch_trailing(*self.trailing_tactics(calls), x, w_fab, fab, w_fb, g1)
+
     def why_not_chained(self, calls: dict[str, GemmCall]) -> str | None:
         for call in calls.values():
             reason = self.why_not(call)
@@ -118,16 +151,42 @@ class CuteDslProvider(GemmProvider):
 
 def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """``out[M, N] = x @ w.T`` with one tactic (compiled on first use; never inside a capture)."""
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    n, k = w.shape
     kernel = compiled_gemms.get(kernel_key(tactic, n, k, x.stride(0), w.stride(0), x.device))
     if tactic.split_k == 1:
         kernel(x, w, out.t())
         return
+    kernel(x, w, out.t(), *_split_k_operands(tactic, x, n))
+
+
+def _split_k_operands(tactic: Tactic, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 workspace view (N, M, split_k) and the current stream's arrival counters for one split-K launch."""
+    m = x.shape[0]
     tiles = n // tactic.block_n * -(-m // tactic.block_t)
     counters = arrival_counters.for_stream(torch.cuda.current_stream(x.device), tiles)
     workspace = torch.empty(tactic.split_k, m, n, device=x.device, dtype=torch.float32)
-    kernel(x, w, out.t(), workspace.permute(2, 1, 0), counters)
+    return workspace.permute(2, 1, 0), counters
 
+
+def launch_trailing(
+    fab_tactic: Tactic, fb_tactic: Tactic, x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor,
+    w_fb: torch.Tensor, g1: torch.Tensor,
+) -> None:
+    """The side chain right behind QKVG's launch on the same stream: ``fab = x @ w_fab.T`` launched as soon as every
+    QKVG CTA passed its wait for x, then ``g1 = fab[:, :K] @ w_fb.T`` (K = w_fb's columns) as soon as ``fab``'s tiles
+    are stored (see :class:`~kda_backend.kernels.skinny_gemm.Link`). The tactics must be the forked side chain's with
+    activations from L2: the same arithmetic, so the same bits."""
+    m, n, k = x.shape[0], w_fab.shape[0], w_fab.shape[1]
+    first = compiled_gemms.get(
+        kernel_key(fab_tactic, n, k, x.stride(0), w_fab.stride(0), x.device, Link(signals=True, x_ready=True))
+    )
+    f_a = fab[:, : w_fb.shape[1]]
+    second = compiled_gemms.get(
+        kernel_key(fb_tactic, w_fb.shape[0], w_fb.shape[1], f_a.stride(0), w_fb.stride(0), x.device, Link(waits=True))
+    )
+    chain = arrival_counters.chain_for_stream(torch.cuda.current_stream(x.device))
+    first(x, w_fab, fab.t(), *_split_k_operands(fab_tactic, x, n), chain)
+    second(f_a, w_fb, g1.t(), chain, n // fab_tactic.block_n * -(-m // fab_tactic.block_t))
 
 
 def launch_chained(
