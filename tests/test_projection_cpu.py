@@ -304,17 +304,6 @@ def test_chained_step_without_a_chaining_provider_runs_sequentially_with_one_war
     assert len(warnings) == 1 and "torch: provider 'torch' has no chained stage" in warnings[0]
 
 
-def test_failing_chained_stage_falls_back_with_one_warning(kda_log):
-    chainer = _Chainer(fail=True)
-    register_plugin(_Plugin(chainer), "chainer")
-    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(chained=True)))
-    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert dispatch.broken_reason("chainer") == "chained stage: RuntimeError: chain broke"
-    assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
-    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert chainer.calls == ["chained"]  # once broken, never chained again; the GEMMs ran on torch
-
-
 def test_plan_naming_a_provider_without_chained_stage_raises():
     proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(chained=True, qkvg="torch")))
     with pytest.raises(ValueError, match="plan provider 'torch' cannot run the chained stage at M=2: provider 'torch'"):
@@ -351,13 +340,22 @@ def test_overlapped_step_without_fork_trails_the_side_chain_behind_qkvg():
     assert mixed.trailing_provider(4) is None and trailer.calls[2:] == ["qkvg"]
 
 
-def test_failing_trailing_side_chain_runs_it_after_qkvg_with_one_warning(kda_log):
-    trailer = _Trailer(fail=True)
-    register_plugin(_Plugin(trailer), "trailer")
-    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True)))
-    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert dispatch.broken_reason("trailer") == "trailing side chain: RuntimeError: trail broke"
-    other = KDAProjection(_weights(TINY, seed=1), Plan.uniform(8, Step(overlap=True)))
-    _check_against_reference(other, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert trailer.calls == ["qkvg", "trailing"]  # broken: neither layer asks it again
+@pytest.mark.parametrize(
+    "provider_cls, step, reason, calls",
+    [
+        (_Chainer, Step(chained=True), "chained stage: RuntimeError: chain broke", ["chained"]),
+        (_Trailer, Step(overlap=True), "trailing side chain: RuntimeError: trail broke", ["qkvg", "trailing"]),
+    ],
+    ids=["chained", "trailing"],
+)
+def test_failing_linked_launches_fall_back_with_one_warning(kda_log, provider_cls, step, reason, calls):
+    """A chained stage or trailing side chain that fails marks its provider broken (one warning): the failing layer
+    and every other then run their GEMMs without it and never ask it again."""
+    provider = provider_cls(fail=True)
+    register_plugin(_Plugin(provider), provider.name)
+    for seed in (0, 1):  # the failing layer, then another
+        proj = KDAProjection(_weights(TINY, seed=seed), Plan.uniform(8, step))
+        _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert dispatch.broken_reason(provider.name) == reason
+    assert provider.calls == calls
     assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
