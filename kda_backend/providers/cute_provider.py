@@ -59,13 +59,10 @@ class CuteDslProvider(GemmProvider):
             arrival_counters.reserve(device)
 
     def run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-        for name, t in (("x", x), ("w", w), ("out", out)):
-            if t.data_ptr() % 16:
-                raise ValueError(f"{role}: {name} data pointer is not 16-byte aligned")
+        _check_aligned(role, {"x": x, "w": w, "out": out})
         if not out.is_contiguous():
             raise ValueError(f"{role}: out must be contiguous [M, N], got stride {out.stride()}")
-        call = GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, x.stride(0), w.stride(0))
-        launch(self.tactic(call), x, w, out)
+        launch(self.tactic(_calls(x, {role: (w, x)})[role]), x, w, out)
 
     def chained_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
         """The joint launch's tactic (QKVG's, or the 16-row default where QKVG's rows do not tile F_A/beta's) and
@@ -103,11 +100,8 @@ class CuteDslProvider(GemmProvider):
         self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor
     ) -> None:
         w_fab, w_fb = weights["fab"], weights["fb"]
-        f_a = fab[:, : w_fb.shape[1]]
-        calls = {
-            role: GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, xs.stride(0), w.stride(0))
-            for role, w, xs in (("fab", w_fab, x), ("fb", w_fb, f_a))
-        }
+        _check_aligned("trailing side chain", {"x": x, "w_fab": w_fab, "w_fb": w_fb, "fab": fab, "g1": g1})
+        calls = _calls(x, {"fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
         launch_trailing(*self.trailing_tactics(calls), x, w_fab, fab, w_fb, g1)
 
     def why_not_chained(self, calls: dict[str, GemmCall]) -> str | None:
@@ -136,17 +130,26 @@ class CuteDslProvider(GemmProvider):
         g1: torch.Tensor,
     ) -> None:
         w_qkvg, w_fab, w_fb = weights["qkvg"], weights["fab"], weights["fb"]
-        f_a = fab[:, : w_fb.shape[1]]
-        calls = {
-            role: GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, xs.stride(0), w.stride(0))
-            for role, w, xs in (("qkvg", w_qkvg, x), ("fab", w_fab, x), ("fb", w_fb, f_a))
-        }
-        for name, t in (("x", x), ("w_qkvg", w_qkvg), ("w_fab", w_fab), ("w_fb", w_fb), ("qkvg", qkvg), ("fab", fab),
-                        ("g1", g1)):
-            if t.data_ptr() % 16:
-                raise ValueError(f"chained stage: {name} data pointer is not 16-byte aligned")
+        _check_aligned("chained stage", {"x": x, "w_qkvg": w_qkvg, "w_fab": w_fab, "w_fb": w_fb, "qkvg": qkvg,
+                                         "fab": fab, "g1": g1})
+        calls = _calls(x, {"qkvg": (w_qkvg, x), "fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
         joint, waiting = self.chained_tactics(calls)
         launch_chained(joint, waiting, x, w_qkvg, qkvg, w_fab, fab, w_fb, g1)
+
+
+def _check_aligned(what: str, tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{what}: {name} data pointer is not 16-byte aligned")
+
+
+def _calls(x: torch.Tensor, operands: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, GemmCall]:
+    """The call of each role from its (weight, activations) on the device at hand (capability is not needed to
+    pick a tactic)."""
+    return {
+        role: GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, xs.stride(0), w.stride(0))
+        for role, (w, xs) in operands.items()
+    }
 
 
 def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
