@@ -189,7 +189,7 @@ class TimedChain:
         self.joint_ctas = (g.qkvg_rows + g.fab_rows) // t_joint.block_n
         self.fab_ctas = g.fab_rows // t_joint.block_n
         self.waiting_ctas = g.local_width // t_waiting.block_n
-        self.expected = self.fab_ctas * -(-m // t_joint.block_t)
+        self.expected = module.output_tiles(t_joint, g.fab_rows, m)
         words = 2 + (self.joint_ctas + self.waiting_ctas) * WORDS
         self.buffers = [torch.zeros(words, dtype=torch.int32, device="cuda") for _ in range(LAYERS)]
         self.head_dim = g.head_dim

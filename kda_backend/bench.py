@@ -25,6 +25,7 @@ import torch
 
 from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, chaining_providers, make_weight_copies
 from kda_backend.geometry import KDAGeometry
+from kda_backend.kernels.skinny_gemm import output_tiles
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
@@ -67,7 +68,7 @@ def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, int | 
         cute = dispatch.provider_by_name("cute")
         proj = KDAProjection(weights[0])
         tactic = cute.tactic(proj.gemm_call(role, m))
-        ctas = (n // tactic.block_n) * -(-m // tactic.block_t) * tactic.split_k
+        ctas = output_tiles(tactic, n, m) * tactic.split_k
 
         def run(i: int) -> None:
             launch(tactic, xs[i % len(xs)], pick(weights[i % len(weights)]), outs[i % len(outs)])

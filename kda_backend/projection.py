@@ -258,8 +258,7 @@ class KDAProjection:
         except Exception as exc:
             if self.plan.step(m).qkvg != AUTO:
                 raise
-            dispatch.mark_broken(provider, f"chained stage: {type(exc).__name__}: {exc}")
-            self._chained = {}
+            self._drop(provider, f"chained stage: {type(exc).__name__}: {exc}")
             return False
         return True
 
@@ -274,9 +273,7 @@ class KDAProjection:
         try:
             provider.run_trailing(x, {"fab": w.w_fab, "fb": w.w_fb}, fab, g1)
         except Exception as exc:
-            dispatch.mark_broken(provider, f"trailing side chain: {type(exc).__name__}: {exc}")
-            self._trailing = {}
-            self._chosen = {k: v for k, v in self._chosen.items() if v is not provider}
+            self._drop(provider, f"trailing side chain: {type(exc).__name__}: {exc}")
             return False
         return True
 
@@ -288,6 +285,13 @@ class KDAProjection:
         except Exception as exc:
             if provider.name == "torch" or self.plan.step(m).provider(role) != AUTO or dispatch.is_forced(role):
                 raise
-            dispatch.mark_broken(provider, f"{type(exc).__name__}: {exc}")
-            self._chosen = {k: v for k, v in self._chosen.items() if v is not provider}
+            self._drop(provider, f"{type(exc).__name__}: {exc}")
             self._run(role, x, w, out)
+
+    def _drop(self, provider: GemmProvider, reason: str) -> None:
+        """Mark ``provider`` broken (one warning) and forget every choice of it here, so the next call selects
+        again; automatic selection never picks it again in any layer."""
+        dispatch.mark_broken(provider, reason)
+        self._chosen = {k: v for k, v in self._chosen.items() if v is not provider}
+        self._chained = {m: v for m, v in self._chained.items() if v is not provider}
+        self._trailing = {m: v for m, v in self._trailing.items() if v is not provider}

@@ -182,6 +182,12 @@ def validate_link(link: Link, tactic: Tactic) -> str | None:
     return None
 
 
+def output_tiles(tactic: Tactic, n: int, m: int) -> int:
+    """Output tiles of one launch over ``n`` weight rows and ``m`` tokens (each split-K CTA works on one of them):
+    what split-K counts per tile and what a waiting launch counts in."""
+    return n // tactic.block_n * -(-m // tactic.block_t)
+
+
 def block_t_for(m: int) -> int:
     """Smallest token tile covering ``m`` (larger M spreads over grid y in tiles of 64)."""
     return next((t for t in (16, 32, 64) if m <= t), 64)

@@ -14,7 +14,15 @@ import torch
 
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
-from kda_backend.kernels.skinny_gemm import Link, Tactic, block_t_for, default_tactic, validate_link, validate_tactic
+from kda_backend.kernels.skinny_gemm import (
+    Link,
+    Tactic,
+    block_t_for,
+    default_tactic,
+    output_tiles,
+    validate_link,
+    validate_tactic,
+)
 from kda_backend.providers.base import GemmCall, GemmProvider, cuda_bf16_reason
 
 MAX_M = 64
@@ -81,20 +89,13 @@ class CuteDslProvider(GemmProvider):
         return fab, fb
 
     def why_not_trailing(self, calls: dict[str, GemmCall]) -> str | None:
-        for call in calls.values():
-            reason = self.why_not(call)
-            if reason is not None:
-                return f"{call.role}: {reason}"
         fab, fb = self.trailing_tactics(calls)
-        return validate_link(Link(signals=True, x_ready=True), fab) or validate_link(Link(waits=True), fb)
+        return (self._why_not_each(calls) or validate_link(Link(signals=True, x_ready=True), fab)
+                or validate_link(Link(waits=True), fb))
 
     def prepare_trailing(self, calls: dict[str, GemmCall]) -> None:
-        device = torch.device("cuda", torch.cuda.current_device())
         fab, fb = self.trailing_tactics(calls)
-        for role, tactic, link in (("fab", fab, Link(signals=True, x_ready=True)), ("fb", fb, Link(waits=True))):
-            call = calls[role]
-            compiled_gemms.get(kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device, link))
-        arrival_counters.reserve(device)
+        _compile_linked(((fab, calls["fab"], Link(signals=True, x_ready=True)), (fb, calls["fb"], Link(waits=True))))
 
     def run_trailing(
         self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor
@@ -105,10 +106,9 @@ class CuteDslProvider(GemmProvider):
         launch_trailing(*self.trailing_tactics(calls), x, w_fab, fab, w_fb, g1)
 
     def why_not_chained(self, calls: dict[str, GemmCall]) -> str | None:
-        for call in calls.values():
-            reason = self.why_not(call)
-            if reason is not None:
-                return f"{call.role}: {reason}"
+        reason = self._why_not_each(calls)
+        if reason is not None:
+            return reason
         if calls["fab"].w_row_stride != calls["qkvg"].w_row_stride:
             return "F_A/beta's weight rows must have QKVG's stride (one launch reads both)"
         joint, waiting = self.chained_tactics(calls)
@@ -117,13 +117,17 @@ class CuteDslProvider(GemmProvider):
                 or validate_tactic(waiting, fb.n, fb.k, fb.x_row_stride))
 
     def prepare_chained(self, calls: dict[str, GemmCall]) -> None:
-        device = torch.device("cuda", torch.cuda.current_device())
         joint, waiting = self.chained_tactics(calls)
-        qkvg, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
-        compiled_gemms.get(kernel_key(joint, qkvg.n, qkvg.k, qkvg.x_row_stride, qkvg.w_row_stride, device,
-                                      Link(joint_rows=fab.n)))
-        compiled_gemms.get(kernel_key(waiting, fb.n, fb.k, fb.x_row_stride, fb.w_row_stride, device, Link(waits=True)))
-        arrival_counters.reserve(device)
+        _compile_linked(((joint, calls["qkvg"], Link(joint_rows=calls["fab"].n)),
+                         (waiting, calls["fb"], Link(waits=True))))
+
+    def _why_not_each(self, calls: dict[str, GemmCall]) -> str | None:
+        """The first role's reason this provider cannot serve its GEMM at all, named by role."""
+        for call in calls.values():
+            reason = self.why_not(call)
+            if reason is not None:
+                return f"{call.role}: {reason}"
+        return None
 
     def run_chained(
         self, x: torch.Tensor, weights: dict[str, torch.Tensor], qkvg: torch.Tensor, fab: torch.Tensor,
@@ -135,6 +139,14 @@ class CuteDslProvider(GemmProvider):
         calls = _calls(x, {"qkvg": (w_qkvg, x), "fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
         joint, waiting = self.chained_tactics(calls)
         launch_chained(joint, waiting, x, w_qkvg, qkvg, w_fab, fab, w_fb, g1)
+
+
+def _compile_linked(launches: tuple[tuple[Tactic, GemmCall, Link], ...]) -> None:
+    """Compile a linked pair's kernels and reserve the counters they share (before any capture)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    for tactic, call, link in launches:
+        compiled_gemms.get(kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device, link))
+    arrival_counters.reserve(device)
 
 
 def _check_aligned(what: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -165,8 +177,7 @@ def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
 def _split_k_operands(tactic: Tactic, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 workspace view (N, M, split_k) and the current stream's arrival counters for one split-K launch."""
     m = x.shape[0]
-    tiles = n // tactic.block_n * -(-m // tactic.block_t)
-    counters = arrival_counters.for_stream(torch.cuda.current_stream(x.device), tiles)
+    counters = arrival_counters.for_stream(torch.cuda.current_stream(x.device), output_tiles(tactic, n, m))
     workspace = torch.empty(tactic.split_k, m, n, device=x.device, dtype=torch.float32)
     return workspace.permute(2, 1, 0), counters
 
@@ -189,7 +200,7 @@ def launch_trailing(
     )
     chain = arrival_counters.chain_for_stream(torch.cuda.current_stream(x.device))
     first(x, w_fab, fab.t(), *_split_k_operands(fab_tactic, x, n), chain)
-    second(f_a, w_fb, g1.t(), chain, n // fab_tactic.block_n * -(-m // fab_tactic.block_t))
+    second(f_a, w_fb, g1.t(), chain, output_tiles(fab_tactic, n, m))
 
 
 def launch_chained(
@@ -208,4 +219,4 @@ def launch_chained(
     )
     chain = arrival_counters.chain_for_stream(torch.cuda.current_stream(x.device))
     first(x, w, out.t(), w2, out2.t(), chain)
-    second(x3, w3, out3.t(), chain, link.joint_rows // joint.block_n * -(-m // joint.block_t))
+    second(x3, w3, out3.t(), chain, output_tiles(joint, link.joint_rows, m))
