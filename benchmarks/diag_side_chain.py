@@ -4,7 +4,9 @@ The autotuner picks F_A/beta's tactic by timing it alone, where split-K (many sm
 beside QKVG what matters is how much the side chain slows QKVG down. Prints, per F_A/beta tactic and M, the
 overlapped stage, F_A/beta alone and its CTA count.
 
-Usage (GPU machine): python benchmarks/diag_side_chain.py 1,16 split,whole-k,fine-split
+Usage (GPU machine): python benchmarks/diag_side_chain.py 1,16 split,whole-k,fine-split,n48k64s3x14p [F_B keys]
+(groups of F_A/beta tactics below or keys as in ``stage_operands.parse_tactic``; each F_B key, default F_B's
+default tactic, is timed with each F_A/beta tactic)
 """
 
 import sys
@@ -14,7 +16,8 @@ import torch
 from kda_backend import dispatch
 from kda_backend.autotune import OVERLAP_CUTE, make_weight_copies, time_step, time_tactic
 from kda_backend.geometry import preset
-from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.kernels.skinny_gemm import Tactic, default_tactic
+from stage_operands import parse_tactic
 
 g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
@@ -26,16 +29,22 @@ FAB_TACTICS = {
     "fine-split": [Tactic(16, 128, 16, 2, split_k=28), Tactic(16, 64, 16, 2, split_k=14),
                    Tactic(16, 64, 16, 2, split_k=28), Tactic(16, 64, 16, 2, split_k=56),
                    Tactic(16, 64, 16, 3, split_k=28), Tactic(16, 128, 16, 2, split_k=14)],
+    # One row block of 48 (or 144) rows per split: x read a third as often as with 16-row CTAs.
+    "wide-split": [Tactic(48, 64, 16, s, x_via_l1=False, split_k=k) for s, k in ((3, 7), (3, 14), (3, 28), (2, 28),
+                                                                              (2, 56))],
 }
-FAB_TACTICS = [t for group in sys.argv[2].split(",") for t in FAB_TACTICS[group]]
-for tactic in FAB_TACTICS:
-    cute.add_tactics({("fab", g.fab_rows, g.hidden_size, 16): tactic})
+FAB_TACTICS = [t for spec in sys.argv[2].split(",")
+               for t in (FAB_TACTICS[spec] if spec in FAB_TACTICS else [parse_tactic(spec, 16)])]
+FB_TACTICS = ([parse_tactic(spec, 16) for spec in sys.argv[3].split(",")] if len(sys.argv) > 3
+              else [default_tactic(g.local_width, g.head_dim, 16)])
+for tactic, fb in ((t, f) for t in FAB_TACTICS for f in FB_TACTICS):
+    cute.add_tactics({("fab", g.fab_rows, g.hidden_size, 16): tactic, ("fb", g.local_width, g.head_dim, 16): fb})
     ctas = g.fab_rows // tactic.block_n * tactic.split_k
     for m in ms:
         try:
             ovl = time_step(weights, OVERLAP_CUTE, m) * 1e6
             alone = time_tactic(weights, "fab", tactic, m) * 1e6
-            print(f"fab={tactic.key():18} CTAs={ctas:3} M={m:2}: overlapped stage {ovl:6.2f} us, "
+            print(f"fab={tactic.key():18} CTAs={ctas:3} fb={fb.key():16} M={m:2}: overlapped stage {ovl:6.2f} us, "
                   f"F_A/beta alone {alone:6.2f} us", flush=True)
         except Exception as exc:
             print(f"fab={tactic.key()} M={m}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)

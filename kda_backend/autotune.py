@@ -3,8 +3,9 @@
 Two levels, both timed inside CUDA graphs of many layers whose weights rotate over several copies (so nothing
 is served from L2) - see :mod:`kda_backend.timing`:
 
-1. CuTe tactics, per role and token bucket, summed over a few M of the bucket: the side chain's kernels alone, then
-   QKVG and the side chain's again inside the overlapped stage (see :func:`tune_tactics`).
+1. CuTe tactics, per role and token bucket, timed at a few M of the bucket and chosen by their worst slowdown at
+   any of them (:func:`most_robust`): the side chain's kernels alone, then QKVG and the side chain's again inside
+   the overlapped stage (see :func:`tune_tactics`).
 2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), and the
    chained stage of each provider that has one, each candidate running through
    :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path.
@@ -94,13 +95,11 @@ def tune_tactics(
         n, k, xs = shapes[role]
         for bucket in buckets:
             ms = BUCKET_MS[bucket]
-            best = None
-            for tactic in _shortlist(candidate_tactics(n, k, ms[-1], xs), default_tactic(n, k, ms[-1]), max_candidates):
-                total = sum(time_tactic(weights, role, tactic, m) for m in ms)
-                if best is None or total < best[0]:
-                    best = (total, tactic)
-            table[(role, n, k, bucket)] = best[1]
-            progress(f"tactic {role} t{bucket}: {best[1].key()} ({best[0] / len(ms) * 1e6:.2f} us alone)")
+            cands = _shortlist(candidate_tactics(n, k, ms[-1], xs), default_tactic(n, k, ms[-1]), max_candidates)
+            times = {tactic: [time_tactic(weights, role, tactic, m) for m in ms] for tactic in cands}
+            best = most_robust(times)
+            table[(role, n, k, bucket)] = best
+            progress(f"tactic {role} t{bucket}: {best.key()} ({_label_times(ms, times[best])} alone)")
     install_tactics(table)
     n, k, xs = shapes["qkvg"]
     for bucket in buckets:
@@ -122,15 +121,28 @@ def _best_in_stage(
     (the other roles keep the tactics installed now); installs it."""
     n, k, _ = _role_shapes(weights[0].geometry)[role]
     ms = BUCKET_MS[bucket]
-    best = None
+    times = {}
     for tactic in candidates:
         install_tactics({(role, n, k, bucket): tactic})
-        total = sum(time_step(weights, OVERLAP_CUTE, m) for m in ms)
-        if best is None or total < best[0]:
-            best = (total, tactic)
-    install_tactics({(role, n, k, bucket): best[1]})
-    progress(f"tactic {role} t{bucket}: {best[1].key()} ({best[0] / len(ms) * 1e6:.2f} us overlapped stage)")
-    return best[1]
+        times[tactic] = [time_step(weights, OVERLAP_CUTE, m) for m in ms]
+    best = most_robust(times)
+    install_tactics({(role, n, k, bucket): best})
+    progress(f"tactic {role} t{bucket}: {best.key()} ({_label_times(ms, times[best])} overlapped stage)")
+    return best
+
+
+def most_robust(times: dict[Tactic, list[float]]) -> Tactic:
+    """The candidate whose worst slowdown against the fastest candidate at each timed M is smallest (the first
+    listed wins a tie). A sum over M can pick a tactic that loses at the bucket's largest M, where the stage is
+    furthest from its floor: one H200 run picked QKVG with activations from L2, and the stage at M = 13..16 came
+    out 0.5-0.8 us slower than the run before (benchmarks/RESULTS.md, 2026-11-30 sixth session)."""
+    columns = list(zip(*times.values()))
+    fastest = [min(column) for column in columns]
+    return min(times, key=lambda tactic: max(t / f for t, f in zip(times[tactic], fastest)))
+
+
+def _label_times(ms: tuple[int, ...], seconds: list[float]) -> str:
+    return ", ".join(f"M={m} {t * 1e6:.2f} us" for m, t in zip(ms, seconds))
 
 
 def _neighbours(tactic: Tactic, cands: list[Tactic]) -> list[Tactic]:

@@ -194,6 +194,17 @@ def test_skinny_n_is_split_along_k():
     assert default_tactic(6144, 7168, 1).split_k == 1
 
 
+def test_tactics_are_chosen_by_their_worst_slowdown_over_the_bucket():
+    from kda_backend.autotune import most_robust
+
+    low_m, even, first = Tactic(16, 256, 16, 4, x_via_l1=False), Tactic(16, 256, 16, 4), Tactic(16, 128, 16, 4)
+    # Sums: 65.6 for low_m, 65.7 for even; but low_m is 3.1 % slower at the last M, even at most 1.9 % anywhere.
+    times = {low_m: [21.0, 21.6, 23.0], even: [21.4, 22.0, 22.3], first: [22.0, 22.5, 23.5]}
+    assert sum(times[low_m]) < sum(times[even])
+    assert most_robust(times) == even
+    assert most_robust({first: [1.0, 2.0], even: [1.0, 2.0]}) == first  # a tie keeps the first listed
+
+
 def test_side_chain_is_retuned_in_the_stage_among_neighbours():
     """The autotuner's in-stage pass for F_A/beta and F_B tries the tactic that won alone first, then the same tile
     shape with one stage more or fewer or the other activation path, e.g. split-K F_A/beta with 3 stages."""
