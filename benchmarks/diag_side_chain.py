@@ -12,12 +12,12 @@ default tactic, is timed with each F_A/beta tactic)
 import sys
 
 import torch
+from stage_operands import parse_tactic
 
 from kda_backend import dispatch
 from kda_backend.autotune import OVERLAP_CUTE, make_weight_copies, time_step, time_tactic
 from kda_backend.geometry import preset
 from kda_backend.kernels.skinny_gemm import Tactic, default_tactic
-from stage_operands import parse_tactic
 
 g = preset("kimi-k3", 8)
 weights = make_weight_copies(g, torch.device("cuda"))
