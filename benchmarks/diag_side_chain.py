@@ -5,8 +5,8 @@ beside QKVG what matters is how much the side chain slows QKVG down. Prints, per
 overlapped stage, F_A/beta alone and its CTA count.
 
 Usage (GPU machine): python benchmarks/diag_side_chain.py 1,16 split,whole-k,fine-split,n48k64s3x14p [F_B keys]
-(groups of F_A/beta tactics below or keys as in ``stage_operands.parse_tactic``; each F_B key, default F_B's
-default tactic, is timed with each F_A/beta tactic)
+(groups of F_A/beta tactics below, or keys as in ``stage_operands.parse_tactic``; every F_B key, by default F_B's
+default tactic, is timed with every F_A/beta tactic)
 """
 
 import sys
@@ -29,7 +29,7 @@ FAB_TACTICS = {
     "fine-split": [Tactic(16, 128, 16, 2, split_k=28), Tactic(16, 64, 16, 2, split_k=14),
                    Tactic(16, 64, 16, 2, split_k=28), Tactic(16, 64, 16, 2, split_k=56),
                    Tactic(16, 64, 16, 3, split_k=28), Tactic(16, 128, 16, 2, split_k=14)],
-    # One row block of 48 (or 144) rows per split: x read a third as often as with 16-row CTAs.
+    # 48-row CTAs per split: each reads x for three times the rows of a 16-row CTA, so x is read a third as often.
     "wide-split": [Tactic(48, 64, 16, s, x_via_l1=False, split_k=k) for s, k in ((3, 7), (3, 14), (3, 28), (2, 28),
                                                                               (2, 56))],
 }
@@ -47,4 +47,4 @@ for tactic, fb in ((t, f) for t in FAB_TACTICS for f in FB_TACTICS):
             print(f"fab={tactic.key():18} CTAs={ctas:3} fb={fb.key():16} M={m:2}: overlapped stage {ovl:6.2f} us, "
                   f"F_A/beta alone {alone:6.2f} us", flush=True)
         except Exception as exc:
-            print(f"fab={tactic.key()} M={m}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
+            print(f"fab={tactic.key()} fb={fb.key()} M={m}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
