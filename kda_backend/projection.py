@@ -105,7 +105,9 @@ class KDAProjection:
                         try:
                             provider.prepare_chained(calls)
                         except Exception as exc:
-                            dispatch.mark_broken(provider, f"chained stage: prepare failed: {type(exc).__name__}: {exc}")
+                            reason = f"chained stage: prepare failed: {type(exc).__name__}: {exc}"
+                            dispatch.mark_broken(provider, reason)
+                            reasons.append(f"{provider.name}: {reason}")
                             continue
                         chosen = provider
                         break

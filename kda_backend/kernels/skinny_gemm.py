@@ -281,7 +281,7 @@ class SkinnyGemm:
     @cute.jit
     def __call__(self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, stream):
         """``m_x`` (M, K), ``m_w`` (N, K), ``m_out_t`` (N, M) = out transposed (stride (1, N)); ``split_k == 1``."""
-        # Slots a launch does not use are filled with out_t; the kernel never touches them.
+        # Slots a launch does not use are filled with tensors it has (w, out_t); the kernel never touches them.
         self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_out_t, m_out_t, m_out_t, cutlass.Int32(0), stream)
 
     @cute.jit
