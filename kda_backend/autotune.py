@@ -22,7 +22,8 @@ import torch
 
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, candidate_tactics, default_tactic
+from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, candidate_tactics, default_tactic, output_tiles
 from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.plan_store import TacticTable
 from kda_backend.plugins import hooks
@@ -85,9 +86,11 @@ def tune_tactics(
     1. the side chain's GEMMs alone;
     2. QKVG inside the overlapped stage, because a tactic that is fastest alone can hold so much shared memory
        that the side chain cannot run beside it;
-    3. the side chain's GEMMs again inside the stage, among neighbours of their fastest alone: what overlaps best
-       need not be what runs fastest alone (measured on H200 for Kimi-K3 TP8: F_A/beta with 2 or 3 stages times
-       the same alone, but with 3 the stage is 0.2-0.3 us faster).
+    3. the side chain's GEMMs again inside the stage, among neighbours of their fastest alone and the tactics
+       whose CTAs fit only in the slots QKVG leaves free (:func:`~kda_backend.kernels.occupancy.spare_slot_tactics`):
+       what overlaps best need not be what runs fastest alone (measured on H200 for Kimi-K3 TP8: F_A/beta with 2
+       or 3 stages times the same alone, but with 3 the stage is 0.2-0.3 us faster; 12 large CTAs take twice as
+       long alone as 126 small ones, but the stage is 0.5-0.8 us faster at M = 16).
     """
     table: TacticTable = {}
     shapes = _role_shapes(geometry)
@@ -106,10 +109,15 @@ def tune_tactics(
         top = BUCKET_MS[bucket][-1]
         cands = _shortlist(candidate_tactics(n, k, top, xs), default_tactic(n, k, top), max_candidates)
         table[("qkvg", n, k, bucket)] = _best_in_stage(weights, "qkvg", bucket, cands, progress)
+    budget, (q_n, q_k, _) = SmBudget.of(weights[0].device), shapes["qkvg"]
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
         for bucket in buckets:
-            cands = _neighbours(table[(role, n, k, bucket)], candidate_tactics(n, k, BUCKET_MS[bucket][-1], xs))
+            top = BUCKET_MS[bucket][-1]
+            cands = _neighbours(table[(role, n, k, bucket)], candidate_tactics(n, k, top, xs))
+            main = table[("qkvg", q_n, q_k, bucket)]
+            main_ctas = output_tiles(main, q_n, top) * main.split_k
+            cands += [c for c in spare_slot_tactics(n, k, top, xs, main, main_ctas, budget) if c not in cands]
             table[(role, n, k, bucket)] = _best_in_stage(weights, role, bucket, cands, progress)
     return table
 

@@ -8,7 +8,8 @@ import torch
 
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for
+from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, output_tiles
 from kda_backend.providers.cute_provider import CuteDslProvider, launch, launch_trailing
 
 pytestmark = pytest.mark.gpu
@@ -82,20 +83,20 @@ def test_tma_activations_in_the_side_chain(m):
 
 
 def _fab_provider(split_k: int, m: int, stages: int = 3) -> CuteDslProvider:
+    return _provider_with_fab(Tactic(16, 128, block_t_for(m), stages, split_k=split_k))
+
+
+def _provider_with_fab(tactic: Tactic) -> CuteDslProvider:
     g = preset("kimi-k3", 8)
     provider = CuteDslProvider()
-    provider.add_tactics({("fab", g.fab_rows, g.hidden_size, block_t_for(m)):
-                          Tactic(16, 128, block_t_for(m), stages, split_k=split_k)})
+    provider.add_tactics({("fab", g.fab_rows, g.hidden_size, tactic.block_t): tactic})
     return provider
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("split_k", [1, 2, 7, 14])
-@pytest.mark.parametrize("m", [1, 5, 16, 40])
-def test_split_k_matches_reference_and_is_deterministic(split_k, m, stages):
-    """The in-kernel split-K reduction: right sums, the same bits every run, arrival counters left at zero."""
+def _check_fab_reference_and_bits(provider: CuteDslProvider, m: int) -> None:
+    """F_A/beta through ``provider``: right sums from poisoned outputs, the same bits in three runs, arrival
+    counters left at zero."""
     g = preset("kimi-k3", 8)
-    provider = _fab_provider(split_k, m, stages)
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
     outs = []
@@ -107,9 +108,31 @@ def test_split_k_matches_reference_and_is_deterministic(split_k, m, stages):
     assert not outs[0].isnan().any()
     assert ((outs[0].float() - ref).norm() / ref.norm()).item() <= 1e-2
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    if split_k > 1:
-        counters = arrival_counters.for_stream(torch.cuda.current_stream(), 1)
-        assert not counters.any(), "the last CTA of every tile must reset its arrival counter"
+    counters = arrival_counters.for_stream(torch.cuda.current_stream(), 1)
+    assert not counters.any(), "the last CTA of every tile must reset its arrival counter"
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("split_k", [1, 2, 7, 14])
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+def test_split_k_matches_reference_and_is_deterministic(split_k, m, stages):
+    """The in-kernel split-K reduction: right sums, the same bits every run, arrival counters left at zero."""
+    _check_fab_reference_and_bits(_fab_provider(split_k, m, stages), m)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_spare_slot_f_a_beta_tactics_match_reference_and_are_deterministic(m):
+    """Every F_A/beta tactic the autotuner may try in the slots QKVG's tuned tactic leaves free on this device (on
+    H200: 12 CTAs of 48 rows, split-K 4, activations by L2, L1 or TMA)."""
+    g = preset("kimi-k3", 8)
+    qkvg = Tactic(16, 256, block_t_for(m), 4)
+    main_ctas = output_tiles(qkvg, g.qkvg_rows, m)
+    tactics = spare_slot_tactics(g.fab_rows, g.hidden_size, m, g.hidden_size, qkvg, main_ctas,
+                                 SmBudget.of(torch.device("cuda")))
+    if not tactics:
+        pytest.skip("QKVG leaves no slot free for F_A/beta on this device")
+    for tactic in tactics:
+        _check_fab_reference_and_bits(_provider_with_fab(tactic), m)
 
 
 def test_split_k_on_concurrent_streams_keeps_results_apart():
@@ -230,6 +253,8 @@ def test_chained_stage_on_concurrent_streams_keeps_results_apart():
 
 @pytest.mark.parametrize("fab_tactic", [Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14),
                                         Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True, split_k=7),
+                                        Tactic(48, 128, 16, 4, x_via_l1=False, split_k=4),
+                                        Tactic(48, 128, 16, 4, x_via_l1=False, x_tma=True, split_k=4),
                                         Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
 def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):

@@ -1,0 +1,92 @@
+"""Spare-slot side-chain tactics: occupancy arithmetic, the candidates it yields, and the autotuner timing them."""
+
+import types
+
+import pytest
+import torch
+
+from kda_backend import autotune
+from kda_backend.geometry import preset
+from kda_backend.kernels.compile_cache import KernelKey, compile_gemm
+from kda_backend.kernels.occupancy import (
+    SMEM_RESERVED_PER_CTA,
+    SmBudget,
+    spare_slot_tactics,
+    spare_slots,
+)
+from kda_backend.kernels.skinny_gemm import Tactic, validate_tactic
+
+H200 = SmBudget(sms=132, smem_per_sm=228 * 1024)
+QKVG_TUNED = Tactic(16, 256, 16, 4)  # 64.5 KB: three per SM
+TP8 = preset("kimi-k3", 8)
+QKVG_CTAS = TP8.qkvg_rows // 16  # 384, one wave
+
+
+def test_qkvg_leaves_twelve_slots_on_h200():
+    assert H200.resident(QKVG_TUNED) == 3
+    assert spare_slots(QKVG_TUNED, QKVG_CTAS, H200) == 12
+    assert spare_slots(QKVG_TUNED, 2 * QKVG_CTAS, H200) == 0  # two waves: nothing is free while the first runs
+    assert H200.resident(Tactic(16, 256, 16, 6)) == 2
+
+
+def test_f_a_beta_candidates_fill_the_free_slots_and_nothing_else():
+    n, k = TP8.fab_rows, TP8.hidden_size
+    found = spare_slot_tactics(n, k, 16, k, QKVG_TUNED, QKVG_CTAS, H200)
+    beside_full, in_free_slot = H200.room_beside(QKVG_TUNED, 3), H200.room_beside(QKVG_TUNED, 2)
+    assert found and len(set(found)) == len(found)
+    for t in found:
+        assert validate_tactic(t, n, k, k) is None
+        assert n // t.block_n * t.split_k == 12  # one CTA per free slot
+        assert beside_full < t.smem_bytes() + SMEM_RESERVED_PER_CTA <= in_free_slot
+    assert {(t.x_via_l1, t.x_tma) for t in found} == {(False, False), (True, False), (False, True)}
+    assert Tactic(48, 128, 16, 4, split_k=4, x_via_l1=False) in found  # fastest in the stage on H200
+    wide_tokens = spare_slot_tactics(n, k, 40, k, QKVG_TUNED, QKVG_CTAS, H200)
+    assert wide_tokens and all(t.block_t == 64 for t in wide_tokens)
+
+
+@pytest.mark.parametrize(
+    "n,k,main_ctas,why",
+    [
+        (TP8.fab_rows, TP8.hidden_size, 2 * QKVG_CTAS, "main launch of two waves"),
+        (TP8.fab_rows, TP8.hidden_size, 396, "main launch fills every slot"),
+        (TP8.local_width, TP8.head_dim, QKVG_CTAS, "F_B needs more than 12 CTAs of at most 64 rows"),
+        (TP8.fab_rows, 7104, QKVG_CTAS, "K not a multiple of 128"),
+    ],
+)
+def test_no_candidates_where_no_free_slot_can_take_the_gemm(n, k, main_ctas, why):
+    assert spare_slot_tactics(n, k, 16, k, QKVG_TUNED, main_ctas, H200) == [], why
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_spare_slot_tactics_compile_on_cpu(arch):
+    n, k = TP8.fab_rows, TP8.hidden_size
+    for tactic in (Tactic(48, 128, 16, 4, split_k=4, x_via_l1=False), Tactic(48, 128, 16, 3, split_k=4, x_tma=True,
+                                                                            x_via_l1=False)):
+        assert compile_gemm(KernelKey(tactic, n, k, k, k, arch)) is not None
+
+
+def test_autotuner_times_spare_slot_tactics_in_the_stage(monkeypatch):
+    """The in-stage pass for F_A/beta times the spare-slot candidates beside the QKVG tactic it chose, and keeps one
+    where it makes the stage fastest though it is not the fastest alone."""
+    winner = Tactic(48, 128, 16, 4, split_k=4, x_via_l1=False)
+    installed, staged = {}, []
+
+    def time_tactic(weights, role, tactic, m):
+        return 2e-6 if tactic == winner else 1e-6  # slower alone than every split-K candidate
+
+    def time_step(weights, step, m):
+        fab = installed[("fab", TP8.fab_rows, TP8.hidden_size, 16)]
+        staged.append(fab)
+        return 0.9e-6 if fab == winner else 1e-6
+
+    monkeypatch.setattr(autotune, "install_tactics", installed.update)
+    monkeypatch.setattr(autotune, "time_tactic", time_tactic)
+    monkeypatch.setattr(autotune, "time_step", time_step)
+    monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
+    weights = [types.SimpleNamespace(geometry=TP8, device=torch.device("cpu"))]
+    table = autotune.tune_tactics(TP8, weights, [16])
+    qkvg = table[("qkvg", TP8.qkvg_rows, TP8.hidden_size, 16)]
+    spare = spare_slot_tactics(TP8.fab_rows, TP8.hidden_size, 16, TP8.hidden_size, qkvg, QKVG_CTAS, H200)
+    assert qkvg == QKVG_TUNED and winner in spare
+    assert set(spare) <= set(staged)
+    assert table[("fab", TP8.fab_rows, TP8.hidden_size, 16)] == winner
