@@ -8,8 +8,9 @@ overlapped plan runs where the host does not allow a fork); its outputs must equ
 Each variant's outputs are checked against fp32 after its timing (outputs poisoned first), and the chain counters
 must be zero again.
 
-Usage (GPU machine): python benchmarks/diag_chained_stage.py 1,8,16 [joint QKVG keys [F_B keys]]
-(keys as in ``stage_operands.parse_tactic``; defaults: the QKVG default, and F_B ``n16k128s2p``)
+Usage (GPU machine): python benchmarks/diag_chained_stage.py 1,8,16 [joint QKVG keys [F_B keys [F_A/beta F_B]]]
+(keys as in ``stage_operands.parse_tactic``; defaults: the QKVG default, and F_B ``n16k128s2p`` for the chained
+stage; the last two: the side chain of the overlapped, sequential and trailing variants, by default the defaults)
 """
 
 import dataclasses
@@ -43,8 +44,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 for m in [int(v) for v in sys.argv[1].split(",")]:
     ops = StageOperands(weights, m)
     t_qkvg = default_tactic(g.qkvg_rows, g.hidden_size, m)
-    t_fab = default_tactic(g.fab_rows, g.hidden_size, m)
-    t_fb = default_tactic(g.local_width, g.head_dim, m)
+    t_fab = parse_tactic(sys.argv[4], m) if len(sys.argv) > 4 else default_tactic(g.fab_rows, g.hidden_size, m)
+    t_fb = parse_tactic(sys.argv[5], m) if len(sys.argv) > 5 else default_tactic(g.local_width, g.head_dim, m)
     joints = [parse_tactic(k, m) for k in sys.argv[2].split(",")] if len(sys.argv) > 2 else [t_qkvg]
     waitings = [parse_tactic(k, m) for k in (sys.argv[3] if len(sys.argv) > 3 else "n16k128s2p").split(",")]
 
