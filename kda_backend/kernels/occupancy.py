@@ -23,7 +23,7 @@ MAX_THREADS_PER_SM = 2048
 SIDE_BLOCK_NS = (16, 32, 48, 64)
 SIDE_BLOCK_K = 128
 # The smallest ring depths that fit only in a free slot: 2-4 stages of 48-row CTAs on H200, where 4 was fastest (5 was
-# slower, 3 lost 0.6-1.1 us at M = 16).
+# slower, 3 lost 1.1 us at M = 16).
 SIDE_STAGE_COUNTS = 3
 X_PATHS = ({"x_via_l1": False}, {"x_via_l1": True}, {"x_via_l1": False, "x_tma": True})
 
