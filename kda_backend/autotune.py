@@ -141,7 +141,8 @@ def _best_in_stage(
 
     rounds = {tactic: [timed(tactic)] for tactic in candidates}
     first = {tactic: times[0] for tactic, times in rounds.items()}
-    finalists = sorted(candidates, key=lambda tactic: worst_slowdown(first, tactic))[:FINALISTS]
+    slowdown = worst_slowdowns(first)
+    finalists = sorted(candidates, key=slowdown.__getitem__)[:FINALISTS]
     if len(finalists) > 1:
         for _ in range(RETIMING_ROUNDS):
             for tactic in finalists:
@@ -160,13 +161,13 @@ def most_robust(times: dict[Tactic, list[float]]) -> Tactic:
     listed wins a tie). A sum over M can pick a tactic that loses at the bucket's largest M, where the stage is
     furthest from its floor: one H200 run picked QKVG with activations from L2, and the stage at M = 13..16 came
     out 0.5-0.8 us slower than the run before (benchmarks/RESULTS.md, 2026-11-30 sixth session)."""
-    return min(times, key=lambda tactic: worst_slowdown(times, tactic))
+    return min(times, key=worst_slowdowns(times).__getitem__)
 
 
-def worst_slowdown(times: dict[Tactic, list[float]], tactic: Tactic) -> float:
-    """``tactic``'s largest ratio to the fastest of ``times`` at any timed M."""
+def worst_slowdowns(times: dict[Tactic, list[float]]) -> dict[Tactic, float]:
+    """Each candidate's largest ratio to the fastest candidate at any timed M."""
     fastest = [min(column) for column in zip(*times.values())]
-    return max(t / f for t, f in zip(times[tactic], fastest))
+    return {tactic: max(t / f for t, f in zip(row, fastest)) for tactic, row in times.items()}
 
 
 def _label_times(ms: tuple[int, ...], seconds: list[float]) -> str:

@@ -68,14 +68,14 @@ def spare_slot_tactics(
     if spare == 0 or k % SIDE_BLOCK_K:
         return []
     k_tiles = k // SIDE_BLOCK_K
-    layouts = [
-        (block_n, split_k)
+    layouts = {  # (block_n, split_k) -> CTAs
+        (block_n, split_k): n // block_n * split_k
         for block_n in SIDE_BLOCK_NS if n % block_n == 0
         for split_k in range(1, k_tiles + 1) if k_tiles % split_k == 0 and n // block_n * split_k <= spare
-    ]
+    }
     if not layouts:
         return []
-    most = max(n // block_n * split_k for block_n, split_k in layouts)
+    most = max(layouts.values())
     per_sm, block_t = budget.resident(main), block_t_for(m)
     beside_full, in_free_slot = budget.room_beside(main, per_sm), budget.room_beside(main, per_sm - 1)
 
@@ -83,8 +83,8 @@ def spare_slot_tactics(
         return beside_full < tactic.smem_bytes() + SMEM_RESERVED_PER_CTA <= in_free_slot
 
     found = []
-    for block_n, split_k in layouts:
-        if n // block_n * split_k != most:
+    for (block_n, split_k), ctas in layouts.items():
+        if ctas != most:
             continue
         depths = [
             stages for stages in range(2, 16)
