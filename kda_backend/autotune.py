@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
@@ -88,7 +88,11 @@ def tune_tactics(
 
     1. the side chain's GEMMs alone;
     2. QKVG inside the overlapped stage, because a tactic that is fastest alone can hold so much shared memory
-       that the side chain cannot run beside it;
+       that the side chain cannot run beside it. Each QKVG candidate is timed with the F_A/beta from pass 1 and
+       with one that fits only in the slots it leaves free (:func:`spare_slot_partner`): which side chain
+       overlaps best depends on QKVG's layout (measured on H200 for Kimi-K3 TP8: 16-row QKVG CTAs were fastest
+       beside 12 large F_A/beta CTAs, 48-row ones beside 126 small ones, and which pair won differed between
+       machines);
     3. the side chain's GEMMs again inside the stage, among neighbours of their fastest alone and the tactics
        whose CTAs fit only in the slots QKVG leaves free (:func:`~kda_backend.kernels.occupancy.spare_slot_tactics`):
        what overlaps best need not be what runs fastest alone (measured on H200 for Kimi-K3 TP8: F_A/beta with 2
@@ -107,12 +111,18 @@ def tune_tactics(
             table[(role, n, k, bucket)] = best
             progress(f"tactic {role} t{bucket}: {best.key()} ({_label_times(ms, times[best])} alone)")
     install_tactics(table)
-    n, k, xs = shapes["qkvg"]
+    budget, (q_n, q_k, q_xs), (f_n, f_k, f_xs) = SmBudget.of(weights[0].device), shapes["qkvg"], shapes["fab"]
     for bucket in buckets:
         top = BUCKET_MS[bucket][-1]
-        cands = _shortlist(candidate_tactics(n, k, top, xs), default_tactic(n, k, top), max_candidates)
-        table[("qkvg", n, k, bucket)] = _best_in_stage(weights, "qkvg", bucket, cands, progress)
-    budget, (q_n, q_k, _) = SmBudget.of(weights[0].device), shapes["qkvg"]
+        qkvg_key, fab_key = ("qkvg", q_n, q_k, bucket), ("fab", f_n, f_k, bucket)
+        pairs = []
+        q_cands, q_default = candidate_tactics(q_n, q_k, top, q_xs), default_tactic(q_n, q_k, top)
+        shortlist = _shortlist(q_cands, q_default, max_candidates)
+        for qkvg in shortlist + [c for c in _other_row_blocks(q_cands, q_default) if c not in shortlist]:
+            spare = spare_slot_tactics(f_n, f_k, top, f_xs, qkvg, output_tiles(qkvg, q_n, top) * qkvg.split_k, budget)
+            partners = [table[fab_key]] + [t for t in [spare_slot_partner(spare)] if t not in (None, table[fab_key])]
+            pairs += [{qkvg_key: qkvg, fab_key: fab} for fab in partners]
+        table.update(_best_in_stage(weights, bucket, pairs, progress))
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
         for bucket in buckets:
@@ -121,42 +131,55 @@ def tune_tactics(
             main = table[("qkvg", q_n, q_k, bucket)]
             main_ctas = output_tiles(main, q_n, top) * main.split_k
             cands += [c for c in spare_slot_tactics(n, k, top, xs, main, main_ctas, budget) if c not in cands]
-            table[(role, n, k, bucket)] = _best_in_stage(weights, role, bucket, cands, progress)
+            key = (role, n, k, bucket)
+            table.update(_best_in_stage(weights, bucket, [{key: c} for c in cands], progress))
     return table
 
 
-def _best_in_stage(
-    weights: list[ProjectionWeights], role: str, bucket: int, candidates: list[Tactic], progress: Callable[[str], None]
-) -> Tactic:
-    """The candidate for ``role``'s GEMM that makes the overlapped all-CuTe stage fastest over the bucket's M
-    (the other roles keep the tactics installed now); installs it. Every candidate is timed once at each M; the
-    ``FINALISTS`` most robust are timed ``RETIMING_ROUNDS`` more times, in turn, and judged by their medians: one
-    stage timing varies by up to 0.5 us on some H200s, more than the gaps between the best candidates."""
-    n, k, _ = _role_shapes(weights[0].geometry)[role]
-    ms = BUCKET_MS[bucket]
+def spare_slot_partner(spare: list[Tactic]) -> Tactic | None:
+    """Of the spare-slot tactics for F_A/beta beside one QKVG tactic, the one QKVG is first timed with: the deepest
+    ring with activations from L2 (measured on H200 beside 16-row QKVG CTAs: 4 stages beat 2 and 3, and the
+    activation path made at most 0.15 us of difference at M = 1..8)."""
+    plain = [t for t in spare if not t.x_via_l1 and not t.x_tma]
+    return max(plain, key=lambda t: t.stages, default=None)
 
-    def timed(tactic: Tactic) -> list[float]:
-        install_tactics({(role, n, k, bucket): tactic})
+
+def _best_in_stage(
+    weights: list[ProjectionWeights], bucket: int, candidates: list[TacticTable], progress: Callable[[str], None]
+) -> TacticTable:
+    """The candidate (tactics for one or more GEMMs) that makes the overlapped all-CuTe stage fastest over the
+    bucket's M (the other GEMMs keep the tactics installed now); installs and returns it. Every candidate is timed
+    once at each M; the ``FINALISTS`` most robust are timed ``RETIMING_ROUNDS`` more times, in turn, and judged by
+    their medians: one stage timing varies by up to 0.5 us on some H200s, more than the gaps between the best
+    candidates."""
+    ms = BUCKET_MS[bucket]
+    frozen = [tuple(c.items()) for c in candidates]  # hashable, in the caller's order
+
+    def timed(candidate: tuple) -> list[float]:
+        install_tactics(dict(candidate))
         return [time_step(weights, OVERLAP_CUTE, m) for m in ms]
 
-    rounds = {tactic: [timed(tactic)] for tactic in candidates}
-    first = {tactic: times[0] for tactic, times in rounds.items()}
-    slowdown = worst_slowdowns(first)
-    finalists = sorted(candidates, key=slowdown.__getitem__)[:FINALISTS]
+    rounds = {candidate: [timed(candidate)] for candidate in frozen}
+    slowdown = worst_slowdowns({candidate: times[0] for candidate, times in rounds.items()})
+    finalists = sorted(frozen, key=slowdown.__getitem__)[:FINALISTS]
     if len(finalists) > 1:
         for _ in range(RETIMING_ROUNDS):
-            for tactic in finalists:
-                rounds[tactic].append(timed(tactic))
-    medians = {tactic: [statistics.median(column) for column in zip(*rounds[tactic])] for tactic in finalists}
+            for candidate in finalists:
+                rounds[candidate].append(timed(candidate))
+    medians = {c: [statistics.median(column) for column in zip(*rounds[c])] for c in finalists}
     best = most_robust(medians)
-    install_tactics({(role, n, k, bucket): best})
-    others = "; ".join(f"{t.key()} {_label_times(ms, medians[t])}" for t in finalists if t != best)
-    progress(f"tactic {role} t{bucket}: {best.key()} ({_label_times(ms, medians[best])} overlapped stage"
+    install_tactics(dict(best))
+    others = "; ".join(f"{_candidate_label(c)} {_label_times(ms, medians[c])}" for c in finalists if c != best)
+    progress(f"t{bucket} stage: {_candidate_label(best)} ({_label_times(ms, medians[best])} overlapped stage"
              f"{', over ' + others if others else ''})")
-    return best
+    return dict(best)
 
 
-def most_robust(times: dict[Tactic, list[float]]) -> Tactic:
+def _candidate_label(candidate: tuple) -> str:
+    return " + ".join(f"{key[0]} {tactic.key()}" for key, tactic in candidate)
+
+
+def most_robust(times: dict[Hashable, list[float]]) -> Hashable:
     """The candidate whose worst slowdown against the fastest candidate at each timed M is smallest (the first
     listed wins a tie). A sum over M can pick a tactic that loses at the bucket's largest M, where the stage is
     furthest from its floor: one H200 run picked QKVG with activations from L2, and the stage at M = 13..16 came
@@ -164,7 +187,7 @@ def most_robust(times: dict[Tactic, list[float]]) -> Tactic:
     return min(times, key=worst_slowdowns(times).__getitem__)
 
 
-def worst_slowdowns(times: dict[Tactic, list[float]]) -> dict[Tactic, float]:
+def worst_slowdowns(times: dict[Hashable, list[float]]) -> dict[Hashable, float]:
     """Each candidate's largest ratio to the fastest candidate at any timed M."""
     fastest = [min(column) for column in zip(*times.values())]
     return {tactic: max(t / f for t, f in zip(row, fastest)) for tactic, row in times.items()}
@@ -192,6 +215,18 @@ def _shortlist(cands: list[Tactic], default: Tactic, limit: int) -> list[Tactic]
     others = [c for c in cands if c != default]
     others.sort(key=lambda c: (c.block_n != default.block_n, abs(c.stages - default.stages), c.block_k != default.block_k))
     return [default, *others[: limit - 1]]
+
+
+def _other_row_blocks(cands: list[Tactic], default: Tactic) -> list[Tactic]:
+    """The candidates with the default's K-tile, ring depth and split but other rows per CTA, by either cp.async
+    activation path: the shortlist holds the default's CTA height only, and measured on H200 for Kimi-K3 TP8 QKVG,
+    48-row CTAs (one per SM) were 0.3-0.4 us faster alone than 16-row ones at M = 1..16."""
+    return [
+        c for c in cands
+        if c.block_n != default.block_n and not c.x_tma
+        and (c.block_k, c.block_t, c.stages, c.split_k, c.pdl) == (default.block_k, default.block_t, default.stages,
+                                                                    default.split_k, default.pdl)
+    ]
 
 
 def usable_providers(weights: ProjectionWeights, m: int) -> dict[str, tuple[str, ...]]:

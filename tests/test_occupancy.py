@@ -66,50 +66,69 @@ def test_spare_slot_tactics_compile_on_cpu(arch):
 
 
 FAB_KEY = ("fab", TP8.fab_rows, TP8.hidden_size, 16)
+QKVG_KEY = ("qkvg", TP8.qkvg_rows, TP8.hidden_size, 16)
 WINNER = Tactic(48, 128, 16, 4, split_k=4, x_via_l1=False)
+SPLIT_DEFAULT = Tactic(16, 128, 16, 3, split_k=14)  # F_A/beta's default: the fastest alone when all tie
 
 
 def _tune_with_stubbed_timings(monkeypatch, stage_time) -> tuple[dict, list]:
     """``tune_tactics`` for TP8's 16-token bucket on a simulated H200: every GEMM alone takes 1 us (2 us for
-    48-row CTAs), and the stage ``stage_time(F_A/beta tactic, m, how many times it was timed at m)`` seconds.
-    Returns the table and the F_A/beta tactic installed at each stage timing."""
+    48-row CTAs), and the stage ``stage_time(QKVG tactic, F_A/beta tactic, m, how many times that pair was timed
+    at m)`` seconds. Returns the table and the (QKVG, F_A/beta) tactics installed at each stage timing."""
     installed, staged = {}, []
 
     def time_step(weights, step, m):
-        fab = installed[FAB_KEY]
-        staged.append((fab, m))
-        return stage_time(fab, m, staged.count((fab, m)))
+        pair = (installed.get(QKVG_KEY), installed[FAB_KEY])
+        staged.append((pair, m))
+        return stage_time(*pair, m, staged.count((pair, m)))
 
     monkeypatch.setattr(autotune, "install_tactics", installed.update)
     monkeypatch.setattr(autotune, "time_tactic", lambda weights, role, tactic, m: 2e-6 if tactic.block_n == 48 else 1e-6)
     monkeypatch.setattr(autotune, "time_step", time_step)
     monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
     weights = [types.SimpleNamespace(geometry=TP8, device=torch.device("cpu"))]
-    return autotune.tune_tactics(TP8, weights, [16]), [fab for fab, _ in staged]
+    return autotune.tune_tactics(TP8, weights, [16]), [pair for pair, _ in staged]
 
 
 def test_autotuner_times_spare_slot_tactics_in_the_stage(monkeypatch):
     """The in-stage pass for F_A/beta times the spare-slot candidates beside the QKVG tactic it chose, and keeps one
     where it makes the stage fastest though it is not the fastest alone."""
-    table, staged = _tune_with_stubbed_timings(monkeypatch, lambda fab, m, n: 0.9e-6 if fab == WINNER else 1e-6)
-    qkvg = table[("qkvg", TP8.qkvg_rows, TP8.hidden_size, 16)]
+    table, staged = _tune_with_stubbed_timings(monkeypatch, lambda qkvg, fab, m, n: 0.9e-6 if fab == WINNER else 1e-6)
+    qkvg = table[QKVG_KEY]
     spare = spare_slot_tactics(TP8.fab_rows, TP8.hidden_size, 16, TP8.hidden_size, qkvg, QKVG_CTAS, H200)
     assert qkvg == QKVG_TUNED and WINNER in spare
-    assert set(spare) <= set(staged)
+    assert set(spare) <= {fab for q, fab in staged if q == qkvg}
     assert table[FAB_KEY] == WINNER
 
 
-def test_a_lucky_first_stage_timing_does_not_decide(monkeypatch):
-    """Candidates are timed once each, the best few again in turn, and judged by their medians: a split-K F_A/beta
-    that timed 0.85 us once and 1 us after loses to one that times 0.9 us every time."""
-    lucky = Tactic(16, 128, 16, 2, split_k=14)  # a neighbour of the fastest alone, not installed before this pass
+def test_qkvg_is_timed_beside_each_side_chain_that_suits_it(monkeypatch):
+    """Each QKVG candidate is timed with pass 1's F_A/beta and with its own spare-slot partner, so either pairing
+    can win: 48-row QKVG CTAs beside small split-K F_A/beta CTAs, or 16-row ones beside the free-slot F_A/beta
+    (on H200, which one was faster differed between machines)."""
+    tall = Tactic(48, 256, 16, 4, x_via_l1=False)
+    assert autotune.spare_slot_partner(
+        spare_slot_tactics(TP8.fab_rows, TP8.hidden_size, 16, TP8.hidden_size, QKVG_TUNED, QKVG_CTAS, H200)
+    ) == WINNER
 
-    def stage_time(fab, m, times_timed):
+    def stage_times(best: tuple, runner_up: tuple):
+        return lambda qkvg, fab, m, times_timed: {best: 0.8e-6, runner_up: 0.9e-6}.get((qkvg, fab), 1e-6)
+
+    for best, runner_up in [((tall, SPLIT_DEFAULT), (QKVG_TUNED, WINNER)), ((QKVG_TUNED, WINNER), (tall, SPLIT_DEFAULT))]:
+        table, staged = _tune_with_stubbed_timings(monkeypatch, stage_times(best, runner_up))
+        assert {(QKVG_TUNED, WINNER), (QKVG_TUNED, SPLIT_DEFAULT), (tall, SPLIT_DEFAULT)} <= set(staged)
+        assert (table[QKVG_KEY], table[FAB_KEY]) == best
+
+
+def test_a_lucky_first_stage_timing_does_not_decide(monkeypatch):
+    """Candidates are timed once each, the best few again in turn, and judged by their medians: a spare-slot
+    F_A/beta that timed 0.85 us once and 1 us after loses to one that times 0.9 us every time."""
+    lucky = Tactic(48, 128, 16, 4, split_k=4, x_via_l1=True)  # timed in the side chain's pass only
+
+    def stage_time(qkvg, fab, m, times_timed):
         if fab == WINNER:
             return 0.9e-6
         return 0.85e-6 if fab == lucky and times_timed == 1 else 1e-6
 
     table, staged = _tune_with_stubbed_timings(monkeypatch, stage_time)
-    assert lucky in staged
     assert table[FAB_KEY] == WINNER
-    assert staged.count(lucky) == 3 * (1 + autotune.RETIMING_ROUNDS)  # at three M, then again as a finalist
+    assert staged.count((table[QKVG_KEY], lucky)) == 3 * (1 + autotune.RETIMING_ROUNDS)  # at three M, then as a finalist
