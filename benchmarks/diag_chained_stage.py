@@ -57,7 +57,7 @@ for m in [int(v) for v in sys.argv[1].split(",")]:
         ops.fb_gemm(t_fb, i)
 
     t_fab_l2 = dataclasses.replace(t_fab, x_via_l1=False)
-    t_fb_l2 = dataclasses.replace(t_fb, x_via_l1=False, x_tma=False)
+    t_fb_l2 = t_fb.with_activations_from_l2()
 
     def trailing(i):
         j = i % ops.copies

@@ -11,7 +11,6 @@ of 24 layers; with ``OUT`` set, the raw records are saved there too.
 Usage (GPU machine): python benchmarks/diag_stage_timeline.py 1,16 [QKVG [F_A/beta [F_B]]] (tactic keys, e.g. n48k256s5p)
 """
 
-import dataclasses
 import importlib.util
 import os
 import statistics
@@ -255,7 +254,7 @@ def timeline_at(m, g, weights, module, aux, dump):
             raw = {role: [gemm.records(i).cpu() for i in range(LAYERS)] for role, gemm in
                    (("qkvg", qkvg), ("fab", fab), ("fb", fb))}
             torch.save(raw, Path(dump) / f"timeline_M{m}_{t_q.key()}_{name}.pt")
-    t_waiting = dataclasses.replace(t_fb, x_via_l1=False, x_tma=False)
+    t_waiting = t_fb.with_activations_from_l2()
     chain = TimedChain(module, t_q, t_waiting, g, m)
 
     def chained(i):

@@ -16,18 +16,18 @@ from kda_backend.timing import graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
 
 LAYERS = 24  # layers per timed graph (graph_time_per_layer's default)
-TACTIC_KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)")
+TACTIC_KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)(B?)")
 
 
 def parse_tactic(spec: str, m: int) -> Tactic:
     """A tactic from its key without the token tile, which follows ``m``: ``n48k256s6pL`` = 48 rows, 256-element
-    K-tiles, 6 stages, PDL, x via L1; ``x2`` = split-K 2, ``T`` = x by TMA."""
+    K-tiles, 6 stages, PDL, x via L1; ``x2`` = split-K 2, ``T`` = x by TMA, ``B`` = x by bulk copies."""
     match = TACTIC_KEY.fullmatch(spec)
     if match is None:
-        raise SystemExit(f"tactic {spec!r} does not read as n<rows>k<block_k>s<stages>[x<split>][p][L][T]")
-    rows, block_k, stages, split, pdl, l1, tma = match.groups()
+        raise SystemExit(f"tactic {spec!r} does not read as n<rows>k<block_k>s<stages>[x<split>][p][L][T][B]")
+    rows, block_k, stages, split, pdl, l1, tma, bulk = match.groups()
     return Tactic(int(rows), int(block_k), block_t_for(m), int(stages), pdl == "p", l1 == "L", int(split or 1),
-                  tma == "T")
+                  tma == "T", bulk == "B")
 
 
 class StageOperands:

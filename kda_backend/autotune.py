@@ -24,7 +24,14 @@ import torch
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, candidate_tactics, default_tactic, output_tiles
+from kda_backend.kernels.skinny_gemm import (
+    SINGLE_TOKEN_BUCKET,
+    Tactic,
+    candidate_tactics,
+    default_tactic,
+    output_tiles,
+    tactic_bucket,
+)
 from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.plan_store import TacticTable
 from kda_backend.plugins import hooks
@@ -38,8 +45,8 @@ from kda_backend.weights import ProjectionWeights
 COPIES = 6
 LAYERS = 24
 DEFAULT_MS = tuple(range(1, 17)) + (24, 32, 48, 64, 96, 128, 192, 256)
-# Representative M per token bucket for tactic tuning.
-BUCKET_MS = {16: (1, 8, 16), 32: (24, 32), 64: (48, 64)}
+# Representative M per tactic bucket (see skinny_gemm.tactic_bucket) for tactic tuning.
+BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 64)}
 FINALISTS = 4  # in-stage candidates timed again
 RETIMING_ROUNDS = 2
 
@@ -313,7 +320,7 @@ def autotune(
         raise RuntimeError("autotune cannot run inside a CUDA-graph capture")
     ms = sorted(set(ms))
     weights = make_weight_copies(geometry, device)
-    buckets = sorted({block_t_for(m) for m in ms if m <= CUTE_MAX_M})
+    buckets = sorted({tactic_bucket(m) for m in ms if m <= CUTE_MAX_M})
     tactics = tune_tactics(geometry, weights, buckets, progress=progress)
     install_tactics(tactics)
     plan, _ = tune_plan(weights, ms, progress=progress)

@@ -16,6 +16,7 @@ from kda_backend.kernels.skinny_gemm import (
     block_t_for,
     candidate_tactics,
     default_tactic,
+    tactic_bucket,
     validate_link,
     validate_tactic,
 )
@@ -45,6 +46,20 @@ def test_default_tactic_valid_for_every_role(tp, m):
 
 def test_block_t_buckets():
     assert [block_t_for(m) for m in (1, 16, 17, 32, 33, 64, 65)] == [16, 16, 32, 32, 64, 64, 64]
+    assert [tactic_bucket(m) for m in (1, 2, 16, 17, 64)] == [1, 16, 16, 32, 64]
+
+
+def test_bulk_activations_are_a_single_token_candidate():
+    """Bulk copies cost one copy per token row and K-tile: tuned for M = 1 only, one path of three exclusive ones."""
+    n, k = 6144, 7168
+    assert any(c.x_bulk for c in candidate_tactics(n, k, 1, k))
+    assert not any(c.x_bulk for m in (2, 16, 64) for c in candidate_tactics(n, k, m, k))
+    bulk = Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True)
+    assert bulk.key() == "n16k256t16s4pB" and bulk.with_activations_from_l2() == Tactic(16, 256, 16, 4, x_via_l1=False)
+    # The ring's activation rows are padded by 16 bytes (no ldmatrix bank conflicts), plus one mbarrier per slot.
+    assert bulk.smem_bytes() == Tactic(16, 256, 16, 4).smem_bytes() + 4 * 16 * 16 + 128
+    for other in ({"x_via_l1": True}, {"x_tma": True}):
+        assert "exclude each other" in validate_tactic(Tactic(x_bulk=True, **other), n, k, k)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +134,11 @@ def test_provider_uses_tuned_tactic():
     tuned = Tactic(block_n=32, block_k=128, block_t=16, stages=6)
     p.add_tactics({("qkvg", 6144, 7168, 16): tuned})
     assert p.tactic(_call(m=3)) == tuned
+    assert p.tactic(_call(m=1)) == tuned  # no single-token tactic: the 16-token bucket's
     assert p.tactic(_call(m=20)) == default_tactic(6144, 7168, 20)
+    single = Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True)
+    p.add_tactics({("qkvg", 6144, 7168, 1): single})
+    assert p.tactic(_call(m=1)) == single and p.tactic(_call(m=2)) == tuned
 
 
 def test_target_arch_needs_device_or_env(monkeypatch):
@@ -147,12 +166,15 @@ def test_kernel_compiles_for_other_tp_sizes(tp):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("role", ["qkvg", "fab", "fb"])
 def test_tma_and_wide_tactics_compile_on_cpu(arch, role):
-    """The activation path by TMA (incl. split-K and F_B's strided input) and 48-row CTAs (two warps per token
-    tile) build for every architecture."""
+    """The activation paths by TMA and by bulk copies (incl. split-K and F_B's strided input; 64-token tiles, two
+    rows per lane) and 48-row CTAs (two warps per token tile) build for every architecture."""
     n, k, xs = _roles(8)[role]
-    tactics = [Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True, split_k=14 if role == "fab" else 1)]
+    split = 14 if role == "fab" else 1
+    tactics = [Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True, split_k=split),
+               Tactic(16, 128, 16, 3, x_via_l1=False, x_bulk=True, split_k=split)]
     if role == "qkvg":
-        tactics += [Tactic(48, 256, 16, 5), Tactic(48, 256, 64, 3, x_via_l1=False, x_tma=True)]
+        tactics += [Tactic(48, 256, 16, 5), Tactic(48, 256, 64, 3, x_via_l1=False, x_tma=True),
+                    Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True), Tactic(48, 256, 64, 3, x_via_l1=False, x_bulk=True)]
     for tactic in tactics:
         assert validate_tactic(tactic, n, k, xs) is None
         assert compile_gemm(KernelKey(tactic, n, k, xs, k, arch)) is not None
@@ -184,6 +206,18 @@ def test_ptx_targets_requested_architecture(arch, tmp_path):
     assert "mma.sync.aligned.m16n8k16" in text and "cp.async" in text and "griddepcontrol.wait" in text
     host_ir = "".join(p.read_text() for p in tmp_path.glob("*.mlir"))
     assert "cuda.launch_cfg.shared_mem_carveout" in host_ir and "%c100_i32" in host_ir  # SMEM_CARVEOUT_PERCENT
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bulk_activations_are_one_bulk_copy_per_row(arch, tmp_path):
+    """x_bulk loads each K-tile's token rows with non-tensor bulk copies completed on the slot's mbarrier (whose
+    expected bytes are set first), and never with a per-thread cp.async or a tensor map."""
+    n, k, xs = _roles(8)["qkvg"]
+    tactic = Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True)
+    text = _compile_and_dump(KernelKey(tactic, n, k, xs, k, arch), tmp_path)
+    bulk = text.index("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")
+    assert text.index("mbarrier.arrive.expect_tx") < bulk
+    assert "cp.async.bulk.tensor" not in text and "cp.async.cg.shared.global" in text  # weights keep cp.async
 
 
 def test_skinny_n_is_split_along_k():
@@ -326,6 +360,7 @@ def _chained_keys(tp, arch, joint=None):
         (Link(joint_rows=144), Tactic(16, 128, 16, 3, split_k=2), "cannot split K"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=True), "loads x from L2 only"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True), "loads x from L2 only"),
+        (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=False, x_bulk=True), "loads x from L2 only"),
         (Link(signals=True, x_ready=True), Tactic(16, 128, 16, 3, split_k=14), "x_via_l1 is not allowed"),
     ],
 )

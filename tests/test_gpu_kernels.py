@@ -40,13 +40,16 @@ def test_misaligned_pointer_rejected_before_launch():
 @pytest.mark.parametrize("tactic", [Tactic(48, 256, 16, 6), Tactic(48, 128, 16, 12, x_via_l1=False),
                                     Tactic(48, 256, 32, 4), Tactic(48, 256, 64, 3),
                                     Tactic(16, 256, 16, 4, x_via_l1=False, x_tma=True),
-                                    Tactic(48, 256, 32, 4, x_via_l1=False, x_tma=True)],
+                                    Tactic(48, 256, 32, 4, x_via_l1=False, x_tma=True),
+                                    Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True),
+                                    Tactic(48, 256, 64, 3, x_via_l1=False, x_bulk=True)],
                          ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [1, 9, 16, 40, 64], ids=lambda m: f"M{m}")
 def test_qkvg_tactics_match_reference(tactic, m):
     """Tactics the autotuner may pick for QKVG: 48-row CTAs (one per SM for Kimi-K3 TP8) give each of two warps
-    half of every token tile; TMA activation loads arrive zero-filled past M. A tactic serves any M
-    (token tiles beyond its block_t spread over the grid)."""
+    half of every token tile; TMA activation loads arrive zero-filled past M; bulk copies load the real rows only
+    (64-token tiles: two rows per lane). A tactic serves any M (token tiles beyond its block_t spread over the
+    grid)."""
     g = preset("kimi-k3", 8)
     provider = CuteDslProvider()
     provider.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, block_t_for(m)): tactic})
@@ -59,16 +62,17 @@ def test_qkvg_tactics_match_reference(tactic, m):
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
 
 
+@pytest.mark.parametrize("path", ["x_tma", "x_bulk"])
 @pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
-def test_tma_activations_in_the_side_chain(m):
-    """TMA activation loads where the side chain needs them: split-K F_A/beta and F_B reading f_a inside the
-    wider F_A/beta output (a 288-byte row stride)."""
+def test_async_proxy_activations_in_the_side_chain(m, path):
+    """TMA and bulk activation loads where the side chain needs them: split-K F_A/beta and F_B reading f_a inside
+    the wider F_A/beta output (a 288-byte row stride)."""
     g = preset("kimi-k3", 8)
     bucket = block_t_for(m)
     provider = CuteDslProvider()
     provider.add_tactics({
-        ("fab", g.fab_rows, g.hidden_size, bucket): Tactic(16, 128, bucket, 2, x_via_l1=False, x_tma=True, split_k=14),
-        ("fb", g.local_width, g.head_dim, bucket): Tactic(16, 128, bucket, 3, x_via_l1=False, x_tma=True),
+        ("fab", g.fab_rows, g.hidden_size, bucket): Tactic(16, 128, bucket, 2, x_via_l1=False, split_k=14, **{path: True}),
+        ("fb", g.local_width, g.head_dim, bucket): Tactic(16, 128, bucket, 3, x_via_l1=False, **{path: True}),
     })
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     w_fab = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
@@ -255,6 +259,7 @@ def test_chained_stage_on_concurrent_streams_keeps_results_apart():
                                         Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True, split_k=7),
                                         Tactic(48, 128, 16, 4, x_via_l1=False, split_k=4),
                                         Tactic(48, 128, 16, 4, x_via_l1=False, x_tma=True, split_k=4),
+                                        Tactic(48, 128, 16, 4, x_via_l1=False, x_bulk=True, split_k=4),
                                         Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
 def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):

@@ -35,6 +35,7 @@ COPY_BITS = 128  # cp.async 16-byte vectors
 ELEMS_PER_COPY = COPY_BITS // 16  # bf16 elements per 16-byte vector
 MAX_SMEM_BYTES = 227 * 1024  # per-CTA opt-in limit on SM 9.0 and 10.x
 SPLIT_K_FLAG_BYTES = 128  # shared word telling a split-K CTA's threads that it arrived last (one aligned slot)
+X_BULK_ROW_PAD = 8  # bf16 elements after each activation row of an x_bulk ring: 16 bytes, so ldmatrix's 8 rows hit 8 bank groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,12 @@ class Tactic:
         completed on a per-slot mbarrier (rows past M arrive zero-filled), instead of 16-byte ``cp.async`` by every
         thread. Measured on H200 for Kimi-K3 QKVG: 0.5 us faster alone at M = 16, far slower when most of the
         token tile is zero-filled and beside the side chain, so it is an autotuner candidate, not a default.
+    :param x_bulk: load activations with bulk copies (``cp.async.bulk``, no tensor map): one per real token row
+        and K-tile, issued by the lanes of warp 0 and completed on a per-slot mbarrier, into an unswizzled ring
+        with padded rows. Rows past M are never loaded (zero-filled once), unlike ``x_tma``'s zero-filled box.
+        Measured on H200 for Kimi-K3 TP8 QKVG: 0.5 us faster alone than any other path at M = 1, but each further
+        row costs about 0.9 us (one bulk copy per row and K-tile), so it is a candidate for a single token only
+        (:func:`tactic_bucket`).
     """
 
     block_n: int = 64
@@ -68,6 +75,7 @@ class Tactic:
     x_via_l1: bool = True
     split_k: int = 1
     x_tma: bool = False
+    x_bulk: bool = False
 
     @property
     def warp_grid(self) -> tuple[int, int]:
@@ -88,19 +96,25 @@ class Tactic:
         return 32 * self.warps
 
     def smem_bytes(self) -> int:
-        ring = self.stages * (self.block_n + self.block_t) * self.block_k * 2
-        barriers = -(-self.stages * 8 // 128) * 128 if self.x_tma else 0  # one 8-byte mbarrier per slot
+        x_row = self.block_k + (X_BULK_ROW_PAD if self.x_bulk else 0)
+        ring = self.stages * (self.block_n * self.block_k + self.block_t * x_row) * 2
+        barriers = -(-self.stages * 8 // 128) * 128 if self.x_tma or self.x_bulk else 0  # one 8-byte mbarrier per slot
         return ring + self.epilogue_bytes() + barriers + (SPLIT_K_FLAG_BYTES if self.split_k > 1 else 0)
 
     def epilogue_bytes(self) -> int:
         """The bf16 output tile, staged in shared memory so it leaves in 16-byte stores."""
         return self.block_n * self.block_t * 2
 
+    def with_activations_from_l2(self) -> Tactic:
+        """This tactic loading activations by ``cp.async`` from L2 (what a launch that cannot trust L1 or the async
+        proxy needs, see :func:`validate_link`)."""
+        return dataclasses.replace(self, x_via_l1=False, x_tma=False, x_bulk=False)
+
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
         return (
             f"n{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}"
-            f"{'p' if self.pdl else ''}{'L' if self.x_via_l1 else ''}{'T' if self.x_tma else ''}"
+            f"{'p' if self.pdl else ''}{'L' if self.x_via_l1 else ''}{'T' if self.x_tma else ''}{'B' if self.x_bulk else ''}"
         )
 
 
@@ -114,8 +128,8 @@ def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | 
         return f"block_t={tactic.block_t} must be 16, 32 or 64"
     if tactic.stages < 2:
         return f"stages={tactic.stages} must be >= 2"
-    if tactic.x_tma and tactic.x_via_l1:
-        return "x_tma and x_via_l1 exclude each other (TMA loads bypass L1)"
+    if sum((tactic.x_tma, tactic.x_via_l1, tactic.x_bulk)) > 1:
+        return "x_tma, x_via_l1 and x_bulk exclude each other (one activation path)"
     if tactic.split_k < 1 or (k // tactic.block_k) % tactic.split_k:
         return f"split_k={tactic.split_k} must divide the {k // tactic.block_k} K-tiles"
     lanes_per_row = tactic.block_k // ELEMS_PER_COPY
@@ -173,9 +187,9 @@ def validate_link(link: Link, tactic: Tactic) -> str | None:
         return f"joint_rows={link.joint_rows} must be a multiple of block_n={tactic.block_n}"
     if (link.joint_rows or link.waits) and tactic.split_k > 1:
         return "a joint or waiting launch cannot split K"
-    if link.waits and (tactic.x_via_l1 or tactic.x_tma):
+    if link.waits and (tactic.x_via_l1 or tactic.x_tma or tactic.x_bulk):
         # x was written moments ago by other SMs: only L2 holds it coherently, and TMA reads through another proxy.
-        return "a waiting launch loads x from L2 only (x_via_l1 and x_tma are not allowed)"
+        return "a waiting launch loads x from L2 only (x_via_l1, x_tma and x_bulk are not allowed)"
     if link.x_ready and tactic.x_via_l1:
         # It never waited for the kernel that wrote x, so this SM's L1 may still hold an older copy.
         return "an x_ready launch loads x from L2 (x_via_l1 is not allowed)"
@@ -191,6 +205,16 @@ def output_tiles(tactic: Tactic, n: int, m: int) -> int:
 def block_t_for(m: int) -> int:
     """Smallest token tile covering ``m`` (larger M spreads over grid y in tiles of 64)."""
     return next((t for t in (16, 32, 64) if m <= t), 64)
+
+
+SINGLE_TOKEN_BUCKET = 1
+
+
+def tactic_bucket(m: int) -> int:
+    """Key of the tuned tactics serving ``m`` tokens: the token tile, except that a single token has its own
+    (activations by bulk copy win there and lose from two tokens on, see :attr:`Tactic.x_bulk`). A table without
+    the single-token bucket serves one token from the 16-token bucket."""
+    return SINGLE_TOKEN_BUCKET if m == 1 else block_t_for(m)
 
 
 # A skinny-N GEMM with fewer row blocks than this is split along K (its CTAs then fit beside QKVG's).
@@ -232,6 +256,8 @@ def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]
                 if split_k > 1 and validate_tactic(tactic, n, k, x_row_stride) is None:
                     found.append(tactic)
     x_paths = ({"x_via_l1": False}, {"x_via_l1": True}, {"x_via_l1": False, "x_tma": True})
+    if m == 1:
+        x_paths += ({"x_via_l1": False, "x_bulk": True},)
     for block_n in (16, 32, 48, 64):
         for block_k in (128, 256, 512):
             for stages in (2, 3, 4, 6):
@@ -330,7 +356,12 @@ class SkinnyGemm:
             permutation_mnk=(along_rows * MMA_SHAPE[0], 2 * MMA_SHAPE[1], MMA_SHAPE[2]),
         )
         s_w_layout = self._smem_layout(t.block_n)
-        s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
+        if cutlass.const_expr(t.x_bulk):
+            # Unswizzled (a bulk copy writes one row's K-tile as contiguous bytes), rows padded against bank conflicts.
+            row = t.block_k + X_BULK_ROW_PAD
+            s_x_layout = cute.make_layout((t.block_t, t.block_k, t.stages), stride=(row, 1, t.block_t * row))
+        else:
+            s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
         rows = self.n + self.link.joint_rows
         grid = (rows // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         g2s_w = self._g2s_copy(dtype, False)
@@ -339,6 +370,9 @@ class SkinnyGemm:
             x_copy, x_src = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_layout, (t.block_t, t.block_k)
             )
+        elif cutlass.const_expr(t.x_bulk):
+            x_copy = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=t.block_k * 16)
+            x_src = m_x
         else:
             x_copy, x_src = self._g2s_copy(dtype, t.x_via_l1), m_x
         self.kernel(
@@ -359,7 +393,7 @@ class SkinnyGemm:
         m_chain: cute.Tensor,
         expected: cutlass.Int32,
         s_w_layout: cute.ComposedLayout,
-        s_x_layout: cute.ComposedLayout,
+        s_x_layout: cute.ComposedLayout | cute.Layout,
         g2s_w: cute.TiledCopy,
         x_copy: cute.TiledCopy | cute.CopyAtom,
         x_src: cute.Tensor,
@@ -424,6 +458,15 @@ class SkinnyGemm:
                 for s in cutlass.range_constexpr(t.stages):
                     cute.arch.mbarrier_init(x_full + s, 1)
             cute.arch.mbarrier_init_fence()
+        elif cutlass.const_expr(t.x_bulk):
+            t_gx, t_sx, p_x = g_x, s_x, None
+            x_full = smem.allocate_array(cutlass.Int64, t.stages, byte_alignment=8)  # "slot s holds its x tile"
+            if tidx == 0:
+                for s in cutlass.range_constexpr(t.stages):
+                    cute.arch.mbarrier_init(x_full + s, 1)
+            cute.arch.mbarrier_init_fence()
+            # Token rows at or past M are never loaded; zero-filled once, they stay zero in every stage.
+            thr_g2s_w.partition_D(s_x).fill(0)
         else:
             thr_g2s_x = x_copy.get_slice(tidx)
             t_gx = thr_g2s_x.partition_S(g_x)
@@ -474,7 +517,7 @@ class SkinnyGemm:
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_first + s, s, tidx)
+                self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_first + s, s, tidx, m_tokens - bidy * t.block_t)
             cute.arch.cp_async_commit_group()
 
         thr_mma = mma.get_slice(tidx)
@@ -503,7 +546,7 @@ class SkinnyGemm:
 
         for k_tile in range(k_tiles):
             cute.arch.cp_async_wait_group(t.stages - 2)
-            if cutlass.const_expr(t.x_tma):
+            if cutlass.const_expr(t.x_tma or t.x_bulk):
                 cute.arch.mbarrier_wait(x_full + k_tile % t.stages, (k_tile // t.stages) % 2)
             cute.arch.sync_threads()
             # The slot refilled now was consumed in the previous iteration; the barrier above protects it.
@@ -512,7 +555,7 @@ class SkinnyGemm:
                 slot = nxt % t.stages
                 k_load = k_first + nxt
                 self._load_w(g2s_w, t_gw, t_gw2, t_sw, joint, k_load, slot)
-                self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx)
+                self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx, m_tokens - bidy * t.block_t)
             cute.arch.cp_async_commit_group()
             read = k_tile % t.stages
             for kb in cutlass.range(k_blocks, unroll_full=True):
@@ -577,10 +620,23 @@ class SkinnyGemm:
             cute.arch.griddepcontrol_wait()
 
     @cute.jit
-    def _load_x(self, x_copy, t_gx, t_sx, p_x, x_full, k, slot, tidx):
-        """Start loading activation K-tile ``k`` into ring slot ``slot`` (see :attr:`Tactic.x_tma`)."""
+    def _load_x(self, x_copy, t_gx, t_sx, p_x, x_full, k, slot, tidx, rows_left):
+        """Start loading activation K-tile ``k`` into ring slot ``slot`` (see :attr:`Tactic.x_tma` and
+        :attr:`Tactic.x_bulk`); ``rows_left``: tokens of this CTA's tile and after it (at least one)."""
         t = self.tactic
-        if cutlass.const_expr(t.x_tma):
+        if cutlass.const_expr(t.x_bulk):
+            # Warp 0, one row per lane: the barrier expects the real rows' bytes only.
+            if tidx < 32:
+                rows = cutlass.min(rows_left, t.block_t)
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(x_full + slot, rows * t.block_k * 2)
+                for j in cutlass.range_constexpr(-(-t.block_t // 32)):
+                    row = j * 32 + tidx
+                    if row < rows:
+                        src = cute.group_modes(t_gx[row, None, k], 0, 1)
+                        dst = cute.group_modes(t_sx[row, None, slot], 0, 1)
+                        cute.copy(x_copy, src, dst, mbar_ptr=x_full + slot)
+        elif cutlass.const_expr(t.x_tma):
             # Warp 0 only: the TMA copy elects one lane itself (elect.sync needs the whole warp present).
             if tidx < 32:
                 if tidx == 0:

@@ -20,6 +20,7 @@ from kda_backend.kernels.skinny_gemm import (
     block_t_for,
     default_tactic,
     output_tiles,
+    tactic_bucket,
     validate_link,
     validate_tactic,
 )
@@ -37,14 +38,15 @@ class CuteDslProvider(GemmProvider):
         self._tactics: dict[tuple[str, int, int, int], Tactic] = {}
 
     def add_tactics(self, tactics: dict[tuple[str, int, int, int], Tactic]) -> None:
-        """Install tuned tactics keyed by ``(role, n, k, block_t)`` (later entries win)."""
+        """Install tuned tactics keyed by ``(role, n, k, bucket)`` (see
+        :func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`; later entries win)."""
         self._tactics.update(tactics)
 
     def tactic(self, call: GemmCall) -> Tactic:
-        bucket = block_t_for(call.m)
-        tuned = self._tactics.get((call.role, call.n, call.k, bucket))
-        if tuned is not None:
-            return tuned
+        for bucket in dict.fromkeys((tactic_bucket(call.m), block_t_for(call.m))):
+            tuned = self._tactics.get((call.role, call.n, call.k, bucket))
+            if tuned is not None:
+                return tuned
         return default_tactic(call.n, call.k, call.m)
 
     def why_not(self, call: GemmCall) -> str | None:
@@ -79,13 +81,13 @@ class CuteDslProvider(GemmProvider):
         joint = self.tactic(qkvg)
         if validate_tactic(joint, qkvg.n, qkvg.k, qkvg.x_row_stride) or validate_link(Link(joint_rows=fab.n), joint):
             joint = default_tactic(qkvg.n, qkvg.k, qkvg.m)
-        waiting = dataclasses.replace(self.tactic(fb), x_via_l1=False, x_tma=False, split_k=1)
+        waiting = dataclasses.replace(self.tactic(fb).with_activations_from_l2(), split_k=1)
         return joint, waiting
 
     def trailing_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
         """F_A/beta's and F_B's tactics, with activations from L2 (see :meth:`run_trailing`)."""
         fab = dataclasses.replace(self.tactic(calls["fab"]), x_via_l1=False)
-        fb = dataclasses.replace(self.tactic(calls["fb"]), x_via_l1=False, x_tma=False)
+        fb = self.tactic(calls["fb"]).with_activations_from_l2()
         return fab, fb
 
     def why_not_trailing(self, calls: dict[str, GemmCall]) -> str | None:
