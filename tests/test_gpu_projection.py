@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from kda_backend import KDAProjection, Plan, ProjectionWeights, Step
+from kda_backend import KDAProjection, Plan, ProjectionWeights, Step, dispatch
 from kda_backend.geometry import preset
+from kda_backend.kernels.skinny_gemm import Tactic
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.reference import KDALayerWeights, reference_projection
 
@@ -71,6 +72,33 @@ def _layers(n, packed):
 def test_graph_replay_equals_eager_bitwise(m, packed, step):
     """Several layers sharing one aux stream (overlapped) or one stream's chain counters (chained), captured;
     replays with new inputs equal eager."""
+    _check_replay_equals_eager(m, packed, step)
+
+
+# Tactics the autotuner chose on an H200 (benchmarks/RESULTS.md, 2026-11-30 eighth session): one token's QKVG loads
+# activations by bulk copies; 16 tokens' QKVG runs 48-row CTAs beside 126 split-K F_A/beta CTAs.
+TUNED_TP8 = {
+    ("qkvg", 6144, 7168, 1): Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True),
+    ("fab", 144, 7168, 1): Tactic(16, 128, 16, 3, split_k=14),
+    ("fb", 1536, 128, 1): Tactic(16, 128, 16, 2, x_via_l1=False),
+    ("qkvg", 6144, 7168, 16): Tactic(48, 256, 16, 4, x_via_l1=False),
+    ("fab", 144, 7168, 16): Tactic(16, 128, 16, 2, split_k=14),
+    ("fb", 1536, 128, 16): Tactic(16, 128, 16, 4),
+}
+
+
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_graph_replay_equals_eager_bitwise_with_tuned_tactics(m, monkeypatch):
+    """The same with those tactics: one token from the single-token bucket (activations by bulk copies), two and
+    16 from the 16-token bucket."""
+    g = preset("kimi-k3", 8)
+    assert {(role, n, k) for role, n, k, _ in TUNED_TP8} == {
+        ("qkvg", g.qkvg_rows, g.hidden_size), ("fab", g.fab_rows, g.hidden_size), ("fb", g.local_width, g.head_dim)}
+    monkeypatch.setattr(dispatch.provider_by_name("cute"), "_tactics", dict(TUNED_TP8))
+    _check_replay_equals_eager(m, True, Step(overlap=True))
+
+
+def _check_replay_equals_eager(m, packed, step):
     weights = _layers(3, packed)
     plan = Plan.uniform(64, step)
     projs = [KDAProjection(w, plan) for w in weights]
