@@ -3,9 +3,9 @@
 Two levels, both timed inside CUDA graphs of many layers whose weights rotate over several copies (so nothing
 is served from L2) - see :mod:`kda_backend.timing`:
 
-1. CuTe tactics, per role and token bucket, timed at a few M of the bucket and chosen by their worst slowdown at
-   any of them (:func:`most_robust`): the side chain's kernels alone, then QKVG and the side chain's again inside
-   the overlapped stage (see :func:`tune_tactics`).
+1. CuTe tactics, per role and tactic bucket (:func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`), timed at a
+   few M of the bucket and chosen by their worst slowdown at any of them (:func:`most_robust`): the side chain's
+   kernels alone, then QKVG and the side chain's again inside the overlapped stage (see :func:`tune_tactics`).
 2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), and the
    chained stage of each provider that has one, each candidate running through
    :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path.
@@ -145,8 +145,8 @@ def tune_tactics(
 
 def spare_slot_partner(spare: list[Tactic]) -> Tactic | None:
     """Of the spare-slot tactics for F_A/beta beside one QKVG tactic, the one QKVG is first timed with: the deepest
-    ring with activations from L2 (measured on H200 beside 16-row QKVG CTAs: 4 stages beat 2 and 3, and the
-    activation path made at most 0.15 us of difference at M = 1..8)."""
+    ring with activations from L2 (measured on H200 beside 16-row QKVG CTAs: 4 stages beat 2 and 3; the three
+    activation paths were within 0.2 us of each other at M = 1 and 8, and at M = 16 the L1 path lost 0.4 us)."""
     plain = [t for t in spare if not t.x_via_l1 and not t.x_tma]
     return max(plain, key=lambda t: t.stages, default=None)
 
@@ -225,9 +225,10 @@ def _shortlist(cands: list[Tactic], default: Tactic, limit: int) -> list[Tactic]
 
 
 def _other_row_blocks(cands: list[Tactic], default: Tactic) -> list[Tactic]:
-    """The candidates with the default's K-tile, ring depth and split but other rows per CTA, by either cp.async
-    activation path: the shortlist holds the default's CTA height only, and measured on H200 for Kimi-K3 TP8 QKVG,
-    48-row CTAs (one per SM) were 0.3-0.4 us faster alone than 16-row ones at M = 1..16."""
+    """The candidates with the default's K-tile, ring depth and split but other rows per CTA, by every activation
+    path but TMA (which starves the side chain, see :attr:`Tactic.x_tma`): the shortlist holds the default's CTA
+    height only, and measured on H200 for Kimi-K3 TP8 QKVG, 48-row CTAs (one per SM) were 0.3-0.4 us faster alone
+    than 16-row ones at M = 1..16."""
     return [
         c for c in cands
         if c.block_n != default.block_n and not c.x_tma

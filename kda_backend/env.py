@@ -39,7 +39,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "KDA_BACKEND_AUTOTUNE",
         "0",
-        "`1`: when no stored plan matches this device, tune one at load time (about five minutes on an H200) and store it.",
+        "`1`: when no stored plan matches this device, tune one at load time (about five minutes on an H200) and "
+        "store it.",
     ),
     EnvVar("KDA_BACKEND_CACHE_DIR", "", "Autotune/compile cache folder; default: the host's choice, else `~/.cache/kda_backend`."),
     EnvVar("KDA_BACKEND_LOG_LEVEL", "INFO", "Level of the `kda_backend` logger (DEBUG, INFO, WARNING, ...)."),

@@ -174,7 +174,8 @@ def test_tma_and_wide_tactics_compile_on_cpu(arch, role):
                Tactic(16, 128, 16, 3, x_via_l1=False, x_bulk=True, split_k=split)]
     if role == "qkvg":
         tactics += [Tactic(48, 256, 16, 5), Tactic(48, 256, 64, 3, x_via_l1=False, x_tma=True),
-                    Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True), Tactic(48, 256, 64, 3, x_via_l1=False, x_bulk=True)]
+                    Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True),
+                    Tactic(48, 256, 64, 3, x_via_l1=False, x_bulk=True)]
     for tactic in tactics:
         assert validate_tactic(tactic, n, k, xs) is None
         assert compile_gemm(KernelKey(tactic, n, k, xs, k, arch)) is not None

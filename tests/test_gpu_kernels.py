@@ -71,7 +71,8 @@ def test_async_proxy_activations_in_the_side_chain(m, path):
     bucket = block_t_for(m)
     provider = CuteDslProvider()
     provider.add_tactics({
-        ("fab", g.fab_rows, g.hidden_size, bucket): Tactic(16, 128, bucket, 2, x_via_l1=False, split_k=14, **{path: True}),
+        ("fab", g.fab_rows, g.hidden_size, bucket):
+            Tactic(16, 128, bucket, 2, x_via_l1=False, split_k=14, **{path: True}),
         ("fb", g.local_width, g.head_dim, bucket): Tactic(16, 128, bucket, 3, x_via_l1=False, **{path: True}),
     })
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)

@@ -5,8 +5,8 @@ import torch
 
 from kda_backend import KDAProjection, Plan, ProjectionWeights, Step, dispatch
 from kda_backend.geometry import preset
-from kda_backend.kernels.skinny_gemm import Tactic
 from kda_backend.kernels.arrival_counters import arrival_counters
+from kda_backend.kernels.skinny_gemm import Tactic
 from kda_backend.reference import KDALayerWeights, reference_projection
 
 pytestmark = pytest.mark.gpu

@@ -113,7 +113,8 @@ def test_qkvg_is_timed_beside_each_side_chain_that_suits_it(monkeypatch):
     def stage_times(best: tuple, runner_up: tuple):
         return lambda qkvg, fab, m, times_timed: {best: 0.8e-6, runner_up: 0.9e-6}.get((qkvg, fab), 1e-6)
 
-    for best, runner_up in [((tall, SPLIT_DEFAULT), (QKVG_TUNED, WINNER)), ((QKVG_TUNED, WINNER), (tall, SPLIT_DEFAULT))]:
+    pairings = ((tall, SPLIT_DEFAULT), (QKVG_TUNED, WINNER))
+    for best, runner_up in (pairings, pairings[::-1]):
         table, staged = _tune_with_stubbed_timings(monkeypatch, stage_times(best, runner_up))
         assert {(QKVG_TUNED, WINNER), (QKVG_TUNED, SPLIT_DEFAULT), (tall, SPLIT_DEFAULT)} <= set(staged)
         assert (table[QKVG_KEY], table[FAB_KEY]) == best
@@ -131,4 +132,5 @@ def test_a_lucky_first_stage_timing_does_not_decide(monkeypatch):
 
     table, staged = _tune_with_stubbed_timings(monkeypatch, stage_time)
     assert table[FAB_KEY] == WINNER
-    assert staged.count((table[QKVG_KEY], lucky)) == 3 * (1 + autotune.RETIMING_ROUNDS)  # at three M, then as a finalist
+    # Timed at three M, then again as a finalist.
+    assert staged.count((table[QKVG_KEY], lucky)) == 3 * (1 + autotune.RETIMING_ROUNDS)

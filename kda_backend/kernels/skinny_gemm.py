@@ -35,7 +35,8 @@ COPY_BITS = 128  # cp.async 16-byte vectors
 ELEMS_PER_COPY = COPY_BITS // 16  # bf16 elements per 16-byte vector
 MAX_SMEM_BYTES = 227 * 1024  # per-CTA opt-in limit on SM 9.0 and 10.x
 SPLIT_K_FLAG_BYTES = 128  # shared word telling a split-K CTA's threads that it arrived last (one aligned slot)
-X_BULK_ROW_PAD = 8  # bf16 elements after each activation row of an x_bulk ring: 16 bytes, so ldmatrix's 8 rows hit 8 bank groups
+# bf16 elements after each activation row of an x_bulk ring: 16 bytes, so ldmatrix's 8 rows hit 8 bank groups.
+X_BULK_ROW_PAD = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,8 @@ class Tactic:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
         return (
             f"n{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}"
-            f"{'p' if self.pdl else ''}{'L' if self.x_via_l1 else ''}{'T' if self.x_tma else ''}{'B' if self.x_bulk else ''}"
+            f"{'p' if self.pdl else ''}{'L' if self.x_via_l1 else ''}{'T' if self.x_tma else ''}"
+            f"{'B' if self.x_bulk else ''}"
         )
 
 
@@ -188,7 +190,8 @@ def validate_link(link: Link, tactic: Tactic) -> str | None:
     if (link.joint_rows or link.waits) and tactic.split_k > 1:
         return "a joint or waiting launch cannot split K"
     if link.waits and (tactic.x_via_l1 or tactic.x_tma or tactic.x_bulk):
-        # x was written moments ago by other SMs: only L2 holds it coherently, and TMA reads through another proxy.
+        # x was written moments ago by other SMs: only L2 holds it coherently, and TMA and bulk copies read through
+        # another proxy.
         return "a waiting launch loads x from L2 only (x_via_l1, x_tma and x_bulk are not allowed)"
     if link.x_ready and tactic.x_via_l1:
         # It never waited for the kernel that wrote x, so this SM's L1 may still hold an older copy.
