@@ -369,17 +369,17 @@ def test_validate_link_reasons(link, tactic, match):
     assert match in validate_link(link, tactic)
 
 
-def test_chained_tactics_keep_tuned_qkvg_where_it_tiles_f_a_beta():
-    """The joint launch runs QKVG's tuned tactic when its row blocks tile F_A/beta's rows, else the 16-row
-    default; the waiting launch runs F_B's with activations from L2 and no split."""
+def test_chained_tactics_run_tuned_qkvg_with_16_row_ctas():
+    """The joint launch runs QKVG's tuned tactic with 16-row CTAs, so F_A/beta's 144 rows spread over 9 CTAs that
+    end early, else the 16-row default; the waiting launch runs F_B's with activations from L2 and no split."""
     g = preset("kimi-k3", 8)
     p = CuteDslProvider()
     fb_tuned = Tactic(16, 128, 16, 3, x_via_l1=True)
-    p.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): Tactic(48, 256, 16, 5),
+    p.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): Tactic(48, 256, 16, 4, x_via_l1=False),
                    ("fb", g.local_width, g.head_dim, 16): fb_tuned})
     joint, waiting = p.chained_tactics(_chained_calls())
-    assert joint == Tactic(48, 256, 16, 5) and waiting == dataclasses.replace(fb_tuned, x_via_l1=False)
-    p.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): Tactic(32, 256, 16, 4)})  # 144 rows: not 32-row tiles
+    assert joint == Tactic(16, 256, 16, 4, x_via_l1=False) and waiting == dataclasses.replace(fb_tuned, x_via_l1=False)
+    p.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): Tactic(48, 256, 16, 4, split_k=2)})  # cannot join
     assert p.chained_tactics(_chained_calls())[0] == default_tactic(g.qkvg_rows, g.hidden_size, 4)
     assert p.why_not_chained(_chained_calls()) is None
 

@@ -198,15 +198,16 @@ def _chained_calls_and_weights(tp: int, m: int):
     return g, w
 
 
-@pytest.mark.parametrize("joint", [None, Tactic(48, 256, 16, 3, x_via_l1=False), Tactic(16, 256, 16, 4, x_via_l1=False,
-                                                                                       x_tma=True)],
+@pytest.mark.parametrize("joint", [None, Tactic(48, 256, 16, 3, x_via_l1=False),
+                                   Tactic(16, 256, 16, 4, x_via_l1=False, x_tma=True),
+                                   Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True)],
                          ids=lambda t: t.key() if t else "default")
 @pytest.mark.parametrize("tp", [1, 8, 16], ids=lambda t: f"tp{t}")
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 40, 64], ids=lambda m: f"M{m}")
 def test_chained_stage_matches_reference_and_is_deterministic(tp, m, joint):
     """F_A/beta in QKVG's launch and F_B waiting for its tiles: fp32-close outputs, the same bits every run, chain
-    counters left at zero. M past 16 runs several token tiles (F_B waits for every one); 48-row joint CTAs tile
-    F_A/beta's 144 rows at TP8 (elsewhere the provider falls back to 16 rows)."""
+    counters left at zero. M past 16 runs several token tiles (F_B waits for every one). The joint launch runs
+    QKVG's tuned tactic (installed here) with 16-row CTAs, by every activation path."""
     g, w = _chained_calls_and_weights(tp, m)
     provider = CuteDslProvider()
     if joint is not None:

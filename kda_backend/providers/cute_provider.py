@@ -28,6 +28,7 @@ from kda_backend.providers.base import GemmCall, GemmProvider, cuda_bf16_reason
 
 MAX_M = 64
 SUPPORTED_MAJORS = (9, 10)
+JOINT_BLOCK_N = 16  # rows per CTA of the chained stage's joint launch (see CuteDslProvider.chained_tactics)
 
 
 class CuteDslProvider(GemmProvider):
@@ -75,10 +76,13 @@ class CuteDslProvider(GemmProvider):
         launch(self.tactic(_calls(x, {role: (w, x)})[role]), x, w, out)
 
     def chained_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
-        """The joint launch's tactic (QKVG's, or the 16-row default where QKVG's rows do not tile F_A/beta's) and
-        the waiting launch's (F_B's, with activations from L2 and without split-K, see :class:`Link`)."""
+        """The joint launch's tactic (QKVG's with 16-row CTAs, or the 16-row default where that one cannot join
+        F_A/beta) and the waiting launch's (F_B's, with activations from L2 and without split-K, see
+        :class:`Link`). F_B waits for F_A/beta's tiles, so those must end early: with QKVG's 48-row CTAs, three CTAs
+        carried F_A/beta's whole 2 MB and ended after QKVG's (measured on H200 for Kimi-K3 TP8: 39.7-40.1 us per
+        layer at M = 2..16, against 22.9-24.1 with 16-row CTAs, benchmarks/RESULTS.md)."""
         qkvg, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
-        joint = self.tactic(qkvg)
+        joint = dataclasses.replace(self.tactic(qkvg), block_n=JOINT_BLOCK_N)
         if validate_tactic(joint, qkvg.n, qkvg.k, qkvg.x_row_stride) or validate_link(Link(joint_rows=fab.n), joint):
             joint = default_tactic(qkvg.n, qkvg.k, qkvg.m)
         waiting = dataclasses.replace(self.tactic(fb).with_activations_from_l2(), split_k=1)
