@@ -7,7 +7,10 @@ truncated, is ignored with one warning (never a crash). Writers take an exclusiv
 
 File content::
 
-    {"format": 1, "key": {...}, "plan": Plan.to_json(), "tactics": [{"role", "n", "k", "block_t", "tactic"}]}
+    {"format": 1, "key": {...}, "plan": Plan.to_json(), "tactics": [{"role", "n", "k", "bucket", "tactic"}]}
+
+``bucket`` is :func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`; files written before the single-token bucket
+existed call it ``block_t`` (the same values) and still load.
 """
 
 from __future__ import annotations
@@ -80,13 +83,16 @@ def _locked(path: Path):
 
 def tactics_to_json(tactics: TacticTable) -> list[dict[str, Any]]:
     return [
-        {"role": r, "n": n, "k": k, "block_t": bt, "tactic": dataclasses.asdict(t)}
-        for (r, n, k, bt), t in sorted(tactics.items())
+        {"role": r, "n": n, "k": k, "bucket": bucket, "tactic": dataclasses.asdict(t)}
+        for (r, n, k, bucket), t in sorted(tactics.items())
     ]
 
 
 def tactics_from_json(rows: list[dict[str, Any]]) -> TacticTable:
-    return {(r["role"], int(r["n"]), int(r["k"]), int(r["block_t"])): Tactic(**r["tactic"]) for r in rows}
+    return {
+        (r["role"], int(r["n"]), int(r["k"]), int(r["bucket"] if "bucket" in r else r["block_t"])): Tactic(**r["tactic"])
+        for r in rows
+    }
 
 
 def save(key: dict[str, Any], plan: Plan, tactics: TacticTable, folder: Path | None = None) -> Path:

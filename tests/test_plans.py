@@ -20,7 +20,8 @@ PLAN = Plan(
     source="autotune",
     fallback=SEQUENTIAL_TORCH,
 )
-TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16, stages=4)}
+TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16, stages=4),
+           ("qkvg", 6144, 7168, 1): Tactic(block_n=16, block_k=256, block_t=16, stages=4, x_via_l1=False, x_bulk=True)}
 
 
 def test_plan_json_round_trip_and_lookup():
@@ -45,6 +46,17 @@ def test_store_round_trip(tmp_path):
     path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
     assert path.parent == tmp_path and not list(tmp_path.glob("*.tmp"))
     assert plan_store.load(KEY, tmp_path) == (PLAN, TACTICS)
+
+
+def test_files_from_before_the_single_token_bucket_still_load(tmp_path):
+    """Such files name the bucket ``block_t`` and have no ``x_bulk`` in their tactics."""
+    path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    data = json.loads(path.read_text())
+    data["tactics"] = [{**{k: v for k, v in row.items() if k != "bucket"}, "block_t": row["bucket"],
+                        "tactic": {k: v for k, v in row["tactic"].items() if k != "x_bulk"}}
+                       for row in data["tactics"] if not row["tactic"]["x_bulk"]]
+    path.write_text(json.dumps(data))
+    assert plan_store.load(KEY, tmp_path) == (PLAN, {k: t for k, t in TACTICS.items() if not t.x_bulk})
 
 
 def test_store_uses_hook_cache_dir(tmp_path, monkeypatch):
