@@ -89,10 +89,10 @@ def tactics_to_json(tactics: TacticTable) -> list[dict[str, Any]]:
 
 
 def tactics_from_json(rows: list[dict[str, Any]]) -> TacticTable:
-    return {
-        (r["role"], int(r["n"]), int(r["k"]), int(r["bucket"] if "bucket" in r else r["block_t"])): Tactic(**r["tactic"])
-        for r in rows
-    }
+    def bucket(row: dict[str, Any]) -> int:
+        return int(row["bucket"] if "bucket" in row else row["block_t"])
+
+    return {(r["role"], int(r["n"]), int(r["k"]), bucket(r)): Tactic(**r["tactic"]) for r in rows}
 
 
 def save(key: dict[str, Any], plan: Plan, tactics: TacticTable, folder: Path | None = None) -> Path:
