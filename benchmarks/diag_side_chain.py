@@ -1,12 +1,12 @@
-"""Diagnostic: the F_A/beta tactic inside the overlapped stage (TP8), with the default 64 KB QKVG tactic.
+"""Diagnostic: the F_A/beta tactic inside the overlapped stage (TP8), beside the default 64 KB QKVG tactic or another.
 
 The autotuner picks F_A/beta's tactic by timing it alone, where split-K (many small CTAs, then a reduction) wins;
 beside QKVG what matters is how much the side chain slows QKVG down. Prints, per F_A/beta tactic and M, the
 overlapped stage, F_A/beta alone and its CTA count.
 
-Usage (GPU machine): python benchmarks/diag_side_chain.py 1,16 split,whole-k,fine-split,n48k64s3x14p [F_B keys]
+Usage (GPU machine): python benchmarks/diag_side_chain.py 1,16 split,whole-k,fine-split,n48k64s3x14p [F_B keys [QKVG]]
 (groups of F_A/beta tactics below, or keys as in ``stage_operands.parse_tactic``; every F_B key, by default F_B's
-default tactic, is timed with every F_A/beta tactic)
+default tactic, is timed with every F_A/beta tactic; QKVG, by default its default tactic, is one key)
 """
 
 import sys
@@ -37,6 +37,8 @@ FAB_TACTICS = [t for spec in sys.argv[2].split(",")
                for t in (FAB_TACTICS[spec] if spec in FAB_TACTICS else [parse_tactic(spec, 16)])]
 FB_TACTICS = ([parse_tactic(spec, 16) for spec in sys.argv[3].split(",")] if len(sys.argv) > 3
               else [default_tactic(g.local_width, g.head_dim, 16)])
+if len(sys.argv) > 4:
+    cute.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): parse_tactic(sys.argv[4], 16)})
 for tactic, fb in ((t, f) for t in FAB_TACTICS for f in FB_TACTICS):
     cute.add_tactics({("fab", g.fab_rows, g.hidden_size, 16): tactic, ("fb", g.local_width, g.head_dim, 16): fb})
     ctas = g.fab_rows // tactic.block_n * tactic.split_k

@@ -450,24 +450,22 @@ class SkinnyGemm:
         t_gw = thr_g2s_w.partition_S(g_w)
         t_gw2 = thr_g2s_w.partition_S(g_w2)
         t_sw = thr_g2s_w.partition_D(s_w)
+        x_full = None  # with activations by TMA or bulk copies: "slot s holds its x tile", one mbarrier per slot
+        if cutlass.const_expr(t.x_tma or t.x_bulk):
+            x_full = smem.allocate_array(cutlass.Int64, t.stages, byte_alignment=8)
+            if tidx == 0:
+                if cutlass.const_expr(t.x_tma):
+                    cute.nvgpu.cpasync.prefetch_descriptor(x_copy)
+                for s in cutlass.range_constexpr(t.stages):
+                    cute.arch.mbarrier_init(x_full + s, 1)
+            cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(t.x_tma):
             t_sx, t_gx = cute.nvgpu.cpasync.tma_partition(
                 x_copy, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
             )
             p_x = None
-            x_full = smem.allocate_array(cutlass.Int64, t.stages, byte_alignment=8)  # "slot s holds its x tile"
-            if tidx == 0:
-                cute.nvgpu.cpasync.prefetch_descriptor(x_copy)
-                for s in cutlass.range_constexpr(t.stages):
-                    cute.arch.mbarrier_init(x_full + s, 1)
-            cute.arch.mbarrier_init_fence()
         elif cutlass.const_expr(t.x_bulk):
             t_gx, t_sx, p_x = g_x, s_x, None
-            x_full = smem.allocate_array(cutlass.Int64, t.stages, byte_alignment=8)  # "slot s holds its x tile"
-            if tidx == 0:
-                for s in cutlass.range_constexpr(t.stages):
-                    cute.arch.mbarrier_init(x_full + s, 1)
-            cute.arch.mbarrier_init_fence()
             # Token rows at or past M are never loaded; zero-filled once, they stay zero in every stage.
             thr_g2s_w.partition_D(s_x).fill(0)
         else:
@@ -475,7 +473,6 @@ class SkinnyGemm:
             t_gx = thr_g2s_x.partition_S(g_x)
             t_sx = thr_g2s_x.partition_D(s_x)
             t_cx = thr_g2s_x.partition_S(c_x)
-            x_full = None
             # Token rows at or past M are never loaded; zero-filled once, they stay zero in every stage.
             # Predicates per (vector, row, k-vector) with the K mode broadcast (stride 0).
             p_x = cute.make_rmem_tensor(
