@@ -166,6 +166,13 @@ def render_table(results: dict[str, Any]) -> str:
             f"{r['ours'] / r['floor']:>10.3f} {r['seq_cublas'] / r['ours']:>8.3f} {r['peers'] / r['ours']:>10.3f} "
             f"{chained}  {mode}"
         )
+    same = [r["m"] for r in results["rows"] if Step.from_json(r["plan"]) == SEQUENTIAL_TORCH]
+    if same:
+        # Both columns then time one code path (the seq_cuBLAS variant is a plan of this very step), so their ratio
+        # shows only how much one path varies between rounds.
+        lines.append(
+            f"M = {', '.join(map(str, same))}: ours runs seq_cuBLAS's own step; seq/ours there is round-to-round noise"
+        )
     lines.append("")
     lines.append(
         f"{'M':>4} {'qkvg_cute':>9} {'%copyBW':>8} {'qkvg_cuBLAS':>11} {'cuBLAS/cute':>11} "

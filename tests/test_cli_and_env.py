@@ -109,6 +109,20 @@ def test_plot_from_results(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 1000
     table = render_table(results)
     assert "1.289" in table and "1.119" in table  # seq/ours and cuBLAS/cute
+    assert "seq_cuBLAS's own step" not in table
+
+
+def test_bench_table_names_the_ms_where_ours_is_the_sequential_baseline():
+    from kda_backend.bench import render_table
+    from kda_backend.plan import SEQUENTIAL_TORCH, Step
+
+    overlap = Step(overlap=True, qkvg="cute", fab="cute", fb="cute")
+    rows = [
+        {"m": m, "floor": 21.8, "plan": step.to_json(), "seq_cublas": 40.0, "peers": 46.0, "ours": 41.0}
+        for m, step in ((16, overlap), (128, SEQUENTIAL_TORCH), (256, SEQUENTIAL_TORCH))
+    ]
+    table = render_table({"device": "X", "copy_bandwidth_tbs": 4.2, "plan_source": "test", "rows": rows})
+    assert "M = 128, 256: ours runs seq_cuBLAS's own step" in table
 
 
 def test_adapter_gate(monkeypatch, kda_log):
