@@ -20,7 +20,7 @@ from kda_backend.plugins import hooks
 
 FORCED_MAX_M = 256
 # A forced chained plan chains up to here and runs sequential cuBLAS beyond: measured on H200 for Kimi-K3 TP8, the
-# CuTe chained stage takes 22.7-24.0 us at M = 1..16 but 39-46 us at M = 24..64, where cuBLAS QKVG is faster.
+# CuTe chained stage takes 22.7-26.0 us at M = 1..16 but 39-46 us at M = 24..64, where cuBLAS QKVG is faster.
 FORCED_CHAINED_MAX_M = 16
 
 # Every layer of a model asks for the same plan: resolve (and broadcast) it once per process and key.
