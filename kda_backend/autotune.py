@@ -147,7 +147,7 @@ def spare_slot_partner(spare: list[Tactic]) -> Tactic | None:
     """Of the spare-slot tactics for F_A/beta beside one QKVG tactic, the one QKVG is first timed with: the deepest
     ring with activations from L2 (measured on H200 beside 16-row QKVG CTAs: 4 stages beat 2 and 3; the three
     activation paths were within 0.2 us of each other at M = 1 and 8, and at M = 16 the L1 path lost 0.4 us)."""
-    plain = [t for t in spare if not t.x_via_l1 and not t.x_tma]
+    plain = [t for t in spare if t == t.with_activations_from_l2()]
     return max(plain, key=lambda t: t.stages, default=None)
 
 

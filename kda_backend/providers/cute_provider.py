@@ -80,7 +80,8 @@ class CuteDslProvider(GemmProvider):
         F_A/beta) and the waiting launch's (F_B's, with activations from L2 and without split-K, see
         :class:`Link`). F_B waits for F_A/beta's tiles, so those must end early: with QKVG's 48-row CTAs, three CTAs
         carried F_A/beta's whole 2 MB and ended after QKVG's (measured on H200 for Kimi-K3 TP8: 39.7-40.1 us per
-        layer at M = 2..16, against 22.9-24.1 with 16-row CTAs in the session before, benchmarks/RESULTS.md)."""
+        layer at M = 2..16, against 22.9-24.1 with 16-row CTAs in the session before and 23.6-26.0 at M = 1..16 in
+        the session after, benchmarks/RESULTS.md)."""
         qkvg, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
         joint = dataclasses.replace(self.tactic(qkvg), block_n=JOINT_BLOCK_N)
         if validate_tactic(joint, qkvg.n, qkvg.k, qkvg.x_row_stride) or validate_link(Link(joint_rows=fab.n), joint):
