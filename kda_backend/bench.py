@@ -8,7 +8,8 @@ with rotated weights, see :mod:`kda_backend.timing`):
 - ``ours``: this device's tuned plan (or whatever :func:`~kda_backend.planning.resolve_plan` gives);
 - ``chained``: the CuTe chained stage (F_A/beta in QKVG's launch, F_B behind it on the same stream), what a plan can
   serve where the host never allows a fork;
-- ``qkvg_cublas`` / ``qkvg_cute`` / ``fab_cute`` / ``fb_cute``: single GEMMs alone, for the kernel report.
+- ``qkvg_cublas`` / ``qkvg_cute`` / ``fab_cute`` / ``fb_cute``: single GEMMs alone, for the kernel report (which
+  also names the CuTe tactics, so a run records what the tuner chose).
 
 The floor is weight bytes / copy bandwidth measured in the same run.
 """
@@ -25,7 +26,7 @@ import torch
 
 from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, chaining_providers, make_weight_copies
 from kda_backend.geometry import KDAGeometry
-from kda_backend.kernels.skinny_gemm import output_tiles
+from kda_backend.kernels.skinny_gemm import Tactic, output_tiles
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
@@ -52,8 +53,8 @@ def _stage_time(weights, plan: Plan, m: int) -> float:
     return graph_time_per_layer(lambda i: projs[i % len(projs)](xs[i % len(xs)]), layers=LAYERS)
 
 
-def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, int | None]:
-    """Seconds per call of one role's GEMM alone, and the CTA count for the CuTe kernel."""
+def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, Tactic | None, int | None]:
+    """Seconds per call of one role's GEMM alone, and the CuTe kernel's tactic and CTA count."""
     from kda_backend import dispatch
 
     g = weights[0].geometry
@@ -63,7 +64,7 @@ def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, int | 
     xs_stride = g.fab_rows if role == "fb" else g.hidden_size
     xs = [torch.randn(m, xs_stride, device=device, dtype=torch.bfloat16)[:, :k] for _ in weights]
     outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]
-    ctas = None
+    tactic, ctas = None, None
     if provider == "cute":
         cute = dispatch.provider_by_name("cute")
         proj = KDAProjection(weights[0])
@@ -77,7 +78,7 @@ def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, int | 
         def run(i: int) -> None:
             torch.mm(xs[i % len(xs)], pick(weights[i % len(weights)]).t(), out=outs[i % len(outs)])
 
-    return graph_time_per_layer(run, layers=LAYERS), ctas
+    return graph_time_per_layer(run, layers=LAYERS), tactic, ctas
 
 
 def _layer_decode_time(geometry: KDAGeometry, plan: Plan, m: int, device: torch.device) -> float:
@@ -124,8 +125,8 @@ def run_bench(
         row["qkvg_cublas"] = _gemm_time(weights, "qkvg", m, "torch")[0] * 1e6
         if m <= CUTE_MAX_M:
             for role in ("qkvg", "fab", "fb"):
-                t, ctas = _gemm_time(weights, role, m, "cute")
-                row[f"{role}_cute"], row[f"{role}_ctas"] = t * 1e6, ctas
+                t, tactic, ctas = _gemm_time(weights, role, m, "cute")
+                row[f"{role}_cute"], row[f"{role}_tactic"], row[f"{role}_ctas"] = t * 1e6, tactic.key(), ctas
         rows.append(row)
         tick()
     layer_rows = []
@@ -186,11 +187,35 @@ def render_table(results: dict[str, Any]) -> str:
             f"{r['qkvg_cublas']:>11.2f} {r['qkvg_cublas'] / r['qkvg_cute']:>11.3f} "
             f"{r['fab_cute']:>8.2f} {r['fab_ctas']:>8} {r['fb_cute']:>7.2f} {r['fb_ctas']:>7}"
         )
+    lines += _tactic_lines(results["rows"])
     if results.get("layer_rows"):
         lines += ["", f"{'M':>4} {'KDA decode step':>15} {'projection':>10} {'share':>6}"]
         for r in results["layer_rows"]:
             lines.append(f"{r['m']:>4} {r['layer']:>15.2f} {r['projection']:>10.2f} {r['share'] * 100:>5.1f}%")
     return "\n".join(lines)
+
+
+def _tactic_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The CuTe tactics the kernel table timed, one line per tactic triple with the M it served (results written
+    before the bench recorded tactics have none)."""
+    served: dict[str, list[int]] = {}
+    for r in rows:
+        if "qkvg_tactic" in r:
+            served.setdefault(" / ".join(r[f"{role}_tactic"] for role in ("qkvg", "fab", "fb")), []).append(r["m"])
+    if not served:
+        return []
+    return ["CuTe tactics (qkvg / fab / fb):"] + [f"  M = {_spans(ms)}: {keys}" for keys, ms in served.items()]
+
+
+def _spans(ms: list[int]) -> str:
+    """Sorted integers as runs: [1, 2, 3, 5] -> "1-3, 5"."""
+    runs: list[list[int]] = []
+    for m in ms:
+        if runs and m == runs[-1][-1] + 1:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 def write_plot(results: dict[str, Any], path: Path) -> None:

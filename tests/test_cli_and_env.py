@@ -125,6 +125,22 @@ def test_bench_table_names_the_ms_where_ours_is_the_sequential_baseline():
     assert "M = 128, 256: ours runs seq_cuBLAS's own step" in table
 
 
+def test_bench_table_lists_the_tactics_per_m():
+    from kda_backend.bench import render_table
+
+    def row(m, qkvg, fab, fb):
+        return {"m": m, "floor": 21.8, "qkvg_floor": 21.0, "seq_cublas": 29.0, "peers": 25.5, "ours": 22.5,
+                "plan": {"overlap": True, "qkvg": "cute", "fab": "cute", "fb": "cute"}, "qkvg_cublas": 24.5,
+                "qkvg_cute": 21.9, "fab_cute": 3.0, "fb_cute": 2.0, "qkvg_ctas": 128, "fab_ctas": 126, "fb_ctas": 96,
+                "qkvg_tactic": qkvg, "fab_tactic": fab, "fb_tactic": fb}
+
+    single, low = ("q1", "f1", "b1"), ("q16", "f16", "b16")
+    rows = [row(1, *single)] + [row(m, *low) for m in (2, 3, 4, 16)] + [row(24, "q32", "f32", "b32")]
+    table = render_table({"device": "X", "copy_bandwidth_tbs": 4.2, "plan_source": "test", "rows": rows})
+    assert "CuTe tactics (qkvg / fab / fb):\n  M = 1: q1 / f1 / b1\n  M = 2-4, 16: q16 / f16 / b16\n" in table
+    assert "  M = 24: q32 / f32 / b32" in table
+
+
 def test_adapter_gate(monkeypatch, kda_log):
     from kda_backend.engine_gate import adapter_enabled
 
