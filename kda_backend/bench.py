@@ -172,7 +172,7 @@ def render_table(results: dict[str, Any]) -> str:
         # Both columns then time one code path (the seq_cuBLAS variant is a plan of this very step), so their ratio
         # shows only how much one path varies between rounds.
         lines.append(
-            f"M = {', '.join(map(str, same))}: ours runs seq_cuBLAS's own step; seq/ours there is round-to-round noise"
+            f"M = {_spans(same)}: ours runs seq_cuBLAS's own step; seq/ours there is round-to-round noise"
         )
     lines.append("")
     lines.append(
@@ -208,7 +208,7 @@ def _tactic_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _spans(ms: list[int]) -> str:
-    """Sorted integers as runs: [1, 2, 3, 5] -> "1-3, 5"."""
+    """Integers with consecutive runs joined: [1, 2, 3, 5] -> "1-3, 5"."""
     runs: list[list[int]] = []
     for m in ms:
         if runs and m == runs[-1][-1] + 1:
