@@ -1,6 +1,7 @@
 """CuTe DSL skinny GEMM: tactics, provider selection and compilation for every target architecture on the CPU."""
 
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -221,6 +222,18 @@ def test_bulk_activations_are_one_bulk_copy_per_row(arch, tmp_path):
     assert "cp.async.bulk.tensor" not in text and "cp.async.cg.shared.global" in text  # weights keep cp.async
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_weights_are_loaded_evict_first(arch, tmp_path):
+    """Every weight cp.async carries the kernel's evict-first L2 policy. With activations by bulk copy, the only
+    per-thread cp.async left are the weights'."""
+    n, k, xs = _roles(8)["qkvg"]
+    tactic = Tactic(48, 256, 16, 4, x_via_l1=False, x_bulk=True)
+    text = _compile_and_dump(KernelKey(tactic, n, k, xs, k, arch), tmp_path)
+    assert text.count("createpolicy.fractional.L2::evict_first.b64") == 1
+    copies = [line for line in text.splitlines() if "cp.async.cg.shared.global" in line]
+    assert copies and all(".L2::cache_hint" in line for line in copies)
+
+
 def test_skinny_n_is_split_along_k():
     for tp in (1, 2, 4, 8, 16):
         n, k, _ = _roles(tp)["fab"]
@@ -313,6 +326,18 @@ def test_fingerprint_covers_key_and_toolchain(monkeypatch):
     assert compile_cache.fingerprint(dataclasses.replace(key, tactic=Tactic(block_n=16, stages=3))) != first
     monkeypatch.setattr(compile_cache.importlib.metadata, "version", lambda package: "0.0-other")
     assert compile_cache.fingerprint(key) != first
+
+
+def test_fingerprint_covers_every_module_the_kernel_traces():
+    from kda_backend.kernels import compile_cache, skinny_gemm
+
+    traced = {
+        inspect.getsourcefile(sys.modules[value.__module__])
+        for value in vars(skinny_gemm).values()
+        if getattr(value, "__module__", "").startswith("kda_backend.kernels")
+    }
+    assert inspect.getsourcefile(skinny_gemm) in traced and len(traced) > 1
+    assert traced <= set(compile_cache.KERNEL_SOURCES)
 
 
 def test_unreadable_kernel_file_is_recompiled_with_one_warning(kernel_cache, kda_log):

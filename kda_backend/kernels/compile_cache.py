@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kda_backend.kernels import skinny_gemm
+from kda_backend.kernels import l2_evict_first, skinny_gemm
 from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
 from kda_backend.log import warn_once
 
@@ -143,12 +143,14 @@ def compile_gemm(key: KernelKey) -> Any:
 
 
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
+# Every file whose code is traced into a compiled kernel, and this one (how it compiles).
+KERNEL_SOURCES = (skinny_gemm.__file__, l2_evict_first.__file__, __file__)
 
 
 def fingerprint(key: KernelKey) -> str:
     """Name of ``key``'s binary on disk: a hash of the kernel and compile sources, the key and the toolchain."""
     digest = hashlib.sha256()
-    for source in (skinny_gemm.__file__, __file__):
+    for source in KERNEL_SOURCES:
         digest.update(Path(source).read_bytes())
     digest.update(repr(key).encode())
     for package in TOOLCHAIN_PACKAGES:

@@ -6,8 +6,10 @@ at or past M are never loaded and read as zeros) and walks the whole K extent. T
 weights, so everything serves keeping weight bytes in flight:
 
 - ``stages`` K-tiles of ``[block_n, block_k]`` weights and ``[block_t, block_k]`` activations are in flight through
-  ``cp.async`` (16-byte, L2-only) into a swizzled shared-memory ring; one barrier per K-tile. Activations may
-  instead come by TMA (:attr:`Tactic.x_tma`).
+  ``cp.async`` (16-byte, L2-only) into a swizzled shared-memory ring; one barrier per K-tile. Weight lines are
+  marked evict-first in L2 (read once per layer, they would push out the activations and outputs that are read
+  again soon, see :mod:`kda_backend.kernels.l2_evict_first`). Activations may instead come by TMA
+  (:attr:`Tactic.x_tma`).
 - Tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 accumulate) via ``ldmatrix``; warps split the weight rows (and
   the tokens, for an odd number of 16-row tiles), so there is no cross-warp reduction and no floating-point
   atomics: results are bitwise deterministic (split-K sums its partials in split order inside the kernel, see
@@ -29,6 +31,8 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
+
+from kda_backend.kernels.l2_evict_first import copy_evict_first, evict_first_policy
 
 MMA_SHAPE = (16, 8, 16)  # mma.sync m16n8k16 for bf16
 COPY_BITS = 128  # cp.async 16-byte vectors
@@ -367,7 +371,7 @@ class SkinnyGemm:
             s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
         rows = self.n + self.link.joint_rows
         grid = (rows // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
-        g2s_w = self._g2s_copy(dtype, False)
+        g2s_w = self._g2s_copy(dtype, False)  # partitions the weight tiles; the copies are copy_evict_first's
         if cutlass.const_expr(t.x_tma):
             # The descriptor is encoded per call from m_x, so it covers this call's M (rows past it read as zero).
             x_copy, x_src = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -491,9 +495,10 @@ class SkinnyGemm:
         # Prologue: weights need nothing from the previous kernel, so they start before the PDL wait. Group s
         # of cp.async holds x tile s, and group 0 also every prologue weight tile, so "group s done" means
         # both operands of K-tile s have landed.
+        w_policy = evict_first_policy()
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                self._load_w(g2s_w, t_gw, t_gw2, t_sw, joint, k_first + s, s)
+                self._load_w(t_gw, t_gw2, t_sw, joint, k_first + s, s, w_policy)
         if cutlass.const_expr(link.waits):
             # The next kernel may take the slots QKVG's CTAs free as early as it would behind QKVG itself; it still
             # waits for this launch to complete (which waits for QKVG's, see _count_out).
@@ -554,7 +559,7 @@ class SkinnyGemm:
             if nxt < k_tiles:
                 slot = nxt % t.stages
                 k_load = k_first + nxt
-                self._load_w(g2s_w, t_gw, t_gw2, t_sw, joint, k_load, slot)
+                self._load_w(t_gw, t_gw2, t_sw, joint, k_load, slot, w_policy)
                 self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx, m_tokens - bidy * t.block_t)
             cute.arch.cp_async_commit_group()
             read = k_tile % t.stages
@@ -595,15 +600,16 @@ class SkinnyGemm:
             cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def _load_w(self, g2s_w, t_gw, t_gw2, t_sw, joint, k, slot):
-        """Start loading weight K-tile ``k`` into ring slot ``slot``, from the joint weight where ``joint``."""
+    def _load_w(self, t_gw, t_gw2, t_sw, joint, k, slot, policy):
+        """Start loading weight K-tile ``k`` into ring slot ``slot``, from the joint weight where ``joint``; L2
+        evicts these lines first (``policy``, see :mod:`kda_backend.kernels.l2_evict_first`)."""
         if cutlass.const_expr(self.link.joint_rows > 0):
             if joint != 0:
-                cute.copy(g2s_w, t_gw2[None, None, None, k], t_sw[None, None, None, slot])
+                copy_evict_first(t_gw2[None, None, None, k], t_sw[None, None, None, slot], policy)
             else:
-                cute.copy(g2s_w, t_gw[None, None, None, k], t_sw[None, None, None, slot])
+                copy_evict_first(t_gw[None, None, None, k], t_sw[None, None, None, slot], policy)
         else:
-            cute.copy(g2s_w, t_gw[None, None, None, k], t_sw[None, None, None, slot])
+            copy_evict_first(t_gw[None, None, None, k], t_sw[None, None, None, slot], policy)
 
     @cute.jit
     def _count_out(self, m_chain, tidx):
