@@ -2,8 +2,9 @@
 
 A decode step reads every projection weight once per layer, and not again until the same layer of the next step,
 gigabytes of other layers' weights later. Kept in L2 at the usual priority, the streamed weights push out what is
-read again soon: the activations every CTA reads, the outputs the next kernel reads, the split-K partials. With
-``evict_first`` they go first, and those stay.
+read again soon; with ``evict_first`` they go first. What stays is not measured; the candidates are the activations
+every CTA reads, the outputs the next kernel reads (otherwise written back amid the weight stream) and the split-K
+partials.
 
 Measured on H200 for Kimi-K3 TP8 (``benchmarks/RESULTS.md``, 2026-11-30, eleventh session): the 48-row QKVG alone
 0.4 us faster at M = 1 and 0.8 us at M = 16, the overlapped stage 0.4 and 0.95 us faster.

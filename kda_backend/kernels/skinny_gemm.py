@@ -7,8 +7,8 @@ weights, so everything serves keeping weight bytes in flight:
 
 - ``stages`` K-tiles of ``[block_n, block_k]`` weights and ``[block_t, block_k]`` activations are in flight through
   ``cp.async`` (16-byte, L2-only) into a swizzled shared-memory ring; one barrier per K-tile. Weight lines are
-  marked evict-first in L2 (read once per layer, they would push out the activations and outputs that are read
-  again soon, see :mod:`kda_backend.kernels.l2_evict_first`). Activations may instead come by TMA
+  marked evict-first in L2 (read once per layer, they would push out data that is read again soon, see
+  :mod:`kda_backend.kernels.l2_evict_first`). Activations may instead come by TMA
   (:attr:`Tactic.x_tma`).
 - Tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 accumulate) via ``ldmatrix``; warps split the weight rows (and
   the tokens, for an odd number of 16-row tiles), so there is no cross-warp reduction and no floating-point
