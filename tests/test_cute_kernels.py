@@ -1,8 +1,10 @@
 """CuTe DSL skinny GEMM: tactics, provider selection and compilation for every target architecture on the CPU."""
 
+import collections
 import dataclasses
 import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -222,16 +224,41 @@ def test_bulk_activations_are_one_bulk_copy_per_row(arch, tmp_path):
     assert "cp.async.bulk.tensor" not in text and "cp.async.cg.shared.global" in text  # weights keep cp.async
 
 
+ACTIVATION_PATHS = {
+    "cp.async L2": {"x_via_l1": False},
+    "cp.async L1": {"x_via_l1": True},
+    "bulk": {"x_via_l1": False, "x_bulk": True},
+    "TMA": {"x_via_l1": False, "x_tma": True},
+}
+
+
+def _copies_by_policy(ptx: str) -> collections.Counter:
+    """``(instruction, L2 priority of the policy register it carries or None)`` -> count, for every load into
+    shared memory (cp.async, bulk and TMA copies)."""
+    priority = {reg: p for p, reg in re.findall(r"createpolicy\.fractional\.L2::(\w+)\.b64 (%rd\d+)", ptx)}
+    copies = collections.Counter()
+    for line in ptx.splitlines():
+        words = line.split()
+        if words and words[0].startswith("cp.async.") and not words[0].startswith(("cp.async.commit", "cp.async.wait")):
+            held = [priority[reg] for reg in re.findall(r"%rd\d+", line) if reg in priority]
+            copies[words[0], held[0] if len(held) == 1 else None] += 1
+    return copies
+
+
+@pytest.mark.parametrize("path", ACTIVATION_PATHS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_weights_are_loaded_evict_first(arch, tmp_path):
-    """Every weight cp.async carries the kernel's evict-first L2 policy. With activations by bulk copy, the only
-    per-thread cp.async left are the weights'."""
+def test_loads_carry_their_l2_policies(arch, path, tmp_path):
+    """Every weight cp.async carries the kernel's evict-first L2 policy and every activation load, whichever path,
+    its evict-last policy (see kda_backend/kernels/l2_cache_policy.py)."""
     n, k, xs = _roles(8)["qkvg"]
-    tactic = Tactic(48, 256, 16, 4, x_via_l1=False, x_bulk=True)
-    text = _compile_and_dump(KernelKey(tactic, n, k, xs, k, arch), tmp_path)
-    assert text.count("createpolicy.fractional.L2::evict_first.b64") == 1
-    copies = [line for line in text.splitlines() if "cp.async.cg.shared.global" in line]
-    assert copies and all(".L2::cache_hint" in line for line in copies)
+    tactic = Tactic(48, 256, 16, 4, **ACTIVATION_PATHS[path])
+    ptx = _compile_and_dump(KernelKey(tactic, n, k, xs, k, arch), tmp_path)
+    assert ptx.count("createpolicy.fractional.L2::evict_first.b64") == 1
+    assert ptx.count("createpolicy.fractional.L2::evict_last.b64") == 1
+    copies = _copies_by_policy(ptx)
+    weights = copies.pop(("cp.async.cg.shared.global.L2::cache_hint", "evict_first"))
+    assert weights == 48 * 256 // 8 // tactic.threads * tactic.stages  # stages - 1 in the prologue, 1 in the loop
+    assert copies and all(priority == "evict_last" and "L2::cache_hint" in op for op, priority in copies), copies
 
 
 def test_skinny_n_is_split_along_k():

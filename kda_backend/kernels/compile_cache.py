@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kda_backend.kernels import l2_evict_first, skinny_gemm
+from kda_backend.kernels import l2_cache_policy, skinny_gemm
 from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
 from kda_backend.log import warn_once
 
@@ -144,7 +144,7 @@ def compile_gemm(key: KernelKey) -> Any:
 
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 # Every file whose code is traced into a compiled kernel, and this one (how it compiles).
-KERNEL_SOURCES = (skinny_gemm.__file__, l2_evict_first.__file__, __file__)
+KERNEL_SOURCES = (skinny_gemm.__file__, l2_cache_policy.__file__, __file__)
 
 
 def fingerprint(key: KernelKey) -> str:

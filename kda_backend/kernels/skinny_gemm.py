@@ -6,10 +6,10 @@ at or past M are never loaded and read as zeros) and walks the whole K extent. T
 weights, so everything serves keeping weight bytes in flight:
 
 - ``stages`` K-tiles of ``[block_n, block_k]`` weights and ``[block_t, block_k]`` activations are in flight through
-  ``cp.async`` (16-byte, L2-only) into a swizzled shared-memory ring; one barrier per K-tile. Weight lines are
-  marked evict-first in L2 (read once per layer, they would push out data that is read again soon, see
-  :mod:`kda_backend.kernels.l2_evict_first`). Activations may instead come by TMA
-  (:attr:`Tactic.x_tma`).
+  ``cp.async`` (16-byte, L2-only) into a swizzled shared-memory ring; one barrier per K-tile. L2 evicts weight
+  lines first (each is read once per layer) and activation lines last (every CTA reads them), see
+  :mod:`kda_backend.kernels.l2_cache_policy`. Activations may instead come by TMA or bulk copies
+  (:attr:`Tactic.x_tma`, :attr:`Tactic.x_bulk`).
 - Tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 accumulate) via ``ldmatrix``; warps split the weight rows (and
   the tokens, for an odd number of 16-row tiles), so there is no cross-warp reduction and no floating-point
   atomics: results are bitwise deterministic (split-K sums its partials in split order inside the kernel, see
@@ -32,7 +32,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 
-from kda_backend.kernels.l2_evict_first import copy_evict_first, evict_first_policy
+from kda_backend.kernels.l2_cache_policy import (
+    EVICT_FIRST,
+    EVICT_LAST,
+    bulk_copy_with_policy,
+    copy_with_policy,
+    copy_with_policy_where,
+    l2_policy,
+)
 
 MMA_SHAPE = (16, 8, 16)  # mma.sync m16n8k16 for bf16
 COPY_BITS = 128  # cp.async 16-byte vectors
@@ -299,11 +306,12 @@ class SkinnyGemm:
         atom = cute.make_composed_layout(swizzle, 0, cute.make_layout((8, atom_k), stride=(atom_k, 1)))
         return cute.tile_to_shape(atom, (rows, t.block_k, t.stages), (0, 1, 2))
 
-    def _g2s_copy(self, dtype, via_l1: bool) -> cute.TiledCopy:
+    def _g2s_copy(self, dtype) -> cute.TiledCopy:
+        """The 16-byte cp.async tiled copy whose partitions the weight and activation loads walk. It only partitions:
+        the copies are :mod:`kda_backend.kernels.l2_cache_policy`'s, which carry an L2 cache policy."""
         t = self.tactic
-        mode = cute.nvgpu.cpasync.LoadCacheMode.ALWAYS if via_l1 else cute.nvgpu.cpasync.LoadCacheMode.GLOBAL
         atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode),
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
             dtype,
             num_bits_per_copy=COPY_BITS,
         )
@@ -371,17 +379,16 @@ class SkinnyGemm:
             s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
         rows = self.n + self.link.joint_rows
         grid = (rows // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
-        g2s_w = self._g2s_copy(dtype, False)  # partitions the weight tiles; the copies are copy_evict_first's
+        g2s_w = self._g2s_copy(dtype)
         if cutlass.const_expr(t.x_tma):
             # The descriptor is encoded per call from m_x, so it covers this call's M (rows past it read as zero).
             x_copy, x_src = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_layout, (t.block_t, t.block_k)
             )
         elif cutlass.const_expr(t.x_bulk):
-            x_copy = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=t.block_k * 16)
-            x_src = m_x
+            x_copy, x_src = g2s_w, m_x  # unused: the bulk copies are inline PTX (bulk_copy_with_policy)
         else:
-            x_copy, x_src = self._g2s_copy(dtype, t.x_via_l1), m_x
+            x_copy, x_src = self._g2s_copy(dtype), m_x
         self.kernel(
             m_x, m_w, m_out_t, m_w2, m_out2_t, m_work, m_arrivals, m_chain, expected,
             s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma,
@@ -407,7 +414,7 @@ class SkinnyGemm:
         mma: cute.TiledMma,
     ):
         """``x_copy`` / ``x_src``: the cp.async tiled copy and ``m_x``, or with ``x_tma`` the TMA atom and its
-        coordinate tensor over ``m_x``. ``m_w2`` / ``m_out2_t``: the joint weight and its output, and ``m_chain``
+        coordinate tensor over ``m_x`` (with ``x_bulk``, ``m_x`` and an unused copy). ``m_w2`` / ``m_out2_t``: the joint weight and its output, and ``m_chain``
         / ``expected`` the chain counters and count (see :class:`Link`); slots a launch does not use hold other
         tensors and are never touched."""
         t, link = self.tactic, self.link
@@ -495,7 +502,7 @@ class SkinnyGemm:
         # Prologue: weights need nothing from the previous kernel, so they start before the PDL wait. Group s
         # of cp.async holds x tile s, and group 0 also every prologue weight tile, so "group s done" means
         # both operands of K-tile s have landed.
-        w_policy = evict_first_policy()
+        w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
                 self._load_w(t_gw, t_gw2, t_sw, joint, k_first + s, s, w_policy)
@@ -522,7 +529,9 @@ class SkinnyGemm:
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_first + s, s, tidx, m_tokens - bidy * t.block_t)
+                self._load_x(
+                    x_copy, t_gx, t_sx, p_x, x_full, k_first + s, s, tidx, m_tokens - bidy * t.block_t, x_policy
+                )
             cute.arch.cp_async_commit_group()
 
         thr_mma = mma.get_slice(tidx)
@@ -560,7 +569,9 @@ class SkinnyGemm:
                 slot = nxt % t.stages
                 k_load = k_first + nxt
                 self._load_w(t_gw, t_gw2, t_sw, joint, k_load, slot, w_policy)
-                self._load_x(x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx, m_tokens - bidy * t.block_t)
+                self._load_x(
+                    x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx, m_tokens - bidy * t.block_t, x_policy
+                )
             cute.arch.cp_async_commit_group()
             read = k_tile % t.stages
             for kb in cutlass.range(k_blocks, unroll_full=True):
@@ -602,14 +613,14 @@ class SkinnyGemm:
     @cute.jit
     def _load_w(self, t_gw, t_gw2, t_sw, joint, k, slot, policy):
         """Start loading weight K-tile ``k`` into ring slot ``slot``, from the joint weight where ``joint``; L2
-        evicts these lines first (``policy``, see :mod:`kda_backend.kernels.l2_evict_first`)."""
+        evicts these lines first (``policy``, see :mod:`kda_backend.kernels.l2_cache_policy`)."""
         if cutlass.const_expr(self.link.joint_rows > 0):
             if joint != 0:
-                copy_evict_first(t_gw2[None, None, None, k], t_sw[None, None, None, slot], policy)
+                copy_with_policy(t_gw2[None, None, None, k], t_sw[None, None, None, slot], policy)
             else:
-                copy_evict_first(t_gw[None, None, None, k], t_sw[None, None, None, slot], policy)
+                copy_with_policy(t_gw[None, None, None, k], t_sw[None, None, None, slot], policy)
         else:
-            copy_evict_first(t_gw[None, None, None, k], t_sw[None, None, None, slot], policy)
+            copy_with_policy(t_gw[None, None, None, k], t_sw[None, None, None, slot], policy)
 
     @cute.jit
     def _count_out(self, m_chain, tidx):
@@ -626,9 +637,10 @@ class SkinnyGemm:
             cute.arch.griddepcontrol_wait()
 
     @cute.jit
-    def _load_x(self, x_copy, t_gx, t_sx, p_x, x_full, k, slot, tidx, rows_left):
+    def _load_x(self, x_copy, t_gx, t_sx, p_x, x_full, k, slot, tidx, rows_left, policy):
         """Start loading activation K-tile ``k`` into ring slot ``slot`` (see :attr:`Tactic.x_tma` and
-        :attr:`Tactic.x_bulk`); ``rows_left``: tokens of this CTA's tile and after it (at least one)."""
+        :attr:`Tactic.x_bulk`); ``rows_left``: tokens of this CTA's tile and after it (at least one). L2 keeps these
+        lines last (``policy``): every CTA along the weight rows reads them."""
         t = self.tactic
         if cutlass.const_expr(t.x_bulk):
             # Warp 0, one row per lane: the barrier expects the real rows' bytes only.
@@ -641,15 +653,15 @@ class SkinnyGemm:
                     if row < rows:
                         src = cute.group_modes(t_gx[row, None, k], 0, 1)
                         dst = cute.group_modes(t_sx[row, None, slot], 0, 1)
-                        cute.copy(x_copy, src, dst, mbar_ptr=x_full + slot)
+                        bulk_copy_with_policy(src, dst, t.block_k * 2, x_full + slot, policy)
         elif cutlass.const_expr(t.x_tma):
             # Warp 0 only: the TMA copy elects one lane itself (elect.sync needs the whole warp present).
             if tidx < 32:
                 if tidx == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(x_full + slot, t.block_t * t.block_k * 2)
-                cute.copy(x_copy, t_gx[None, k], t_sx[None, slot], tma_bar_ptr=x_full + slot)
+                cute.copy(x_copy, t_gx[None, k], t_sx[None, slot], tma_bar_ptr=x_full + slot, cache_policy=policy)
         else:
-            cute.copy(x_copy, t_gx[None, None, None, k], t_sx[None, None, None, slot], pred=p_x)
+            copy_with_policy_where(t_gx[None, None, None, k], t_sx[None, None, None, slot], p_x, policy, t.x_via_l1)
 
     @cute.jit
     def _store_tile(self, acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx):
