@@ -58,8 +58,8 @@ def _check_vectors(src: cute.Tensor) -> None:
 def copy_with_policy(src: cute.Tensor, dst: cute.Tensor, policy: cutlass.Int64) -> None:
     """Start every 16-byte ``cp.async`` (L2 only) of one thread's partition from global ``src`` to shared ``dst``.
 
-    :param src: a ``partition_S`` of a 128-bit cp.async tiled copy, ``((8,), rows, vectors)`` of 16-bit elements,
-        each ``(8,)`` slice contiguous.
+    :param src: a ``partition_S`` of a 128-bit cp.async tiled copy, ``(vector, rows, vectors)`` of 16-bit
+        elements, mode 0 one contiguous 16-byte vector of eight elements.
     :param dst: the matching ``partition_D`` in shared memory (a swizzle permutes whole 16-byte vectors only).
     """
     _check_vectors(src)

@@ -414,9 +414,9 @@ class SkinnyGemm:
         mma: cute.TiledMma,
     ):
         """``x_copy`` / ``x_src``: the cp.async tiled copy and ``m_x``, or with ``x_tma`` the TMA atom and its
-        coordinate tensor over ``m_x`` (with ``x_bulk``, ``m_x`` and an unused copy). ``m_w2`` / ``m_out2_t``: the joint weight and its output, and ``m_chain``
-        / ``expected`` the chain counters and count (see :class:`Link`); slots a launch does not use hold other
-        tensors and are never touched."""
+        coordinate tensor over ``m_x`` (with ``x_bulk``, an unused copy and ``m_x``). ``m_w2`` / ``m_out2_t``: the
+        joint weight and its output, and ``m_chain`` / ``expected`` the chain counters and count (see
+        :class:`Link`); slots a launch does not use hold other tensors and are never touched."""
         t, link = self.tactic, self.link
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, bidz = cute.arch.block_idx()
