@@ -385,10 +385,9 @@ class SkinnyGemm:
             x_copy, x_src = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_layout, (t.block_t, t.block_k)
             )
-        elif cutlass.const_expr(t.x_bulk):
-            x_copy, x_src = g2s_w, m_x  # unused: the bulk copies are inline PTX (bulk_copy_with_policy)
         else:
-            x_copy, x_src = self._g2s_copy(dtype), m_x
+            # The weights' tiled copy partitions the activation tiles too (bulk copies do not use it).
+            x_copy, x_src = g2s_w, m_x
         self.kernel(
             m_x, m_w, m_out_t, m_w2, m_out2_t, m_work, m_arrivals, m_chain, expected,
             s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma,
@@ -413,8 +412,8 @@ class SkinnyGemm:
         x_src: cute.Tensor,
         mma: cute.TiledMma,
     ):
-        """``x_copy`` / ``x_src``: the cp.async tiled copy and ``m_x``, or with ``x_tma`` the TMA atom and its
-        coordinate tensor over ``m_x`` (with ``x_bulk``, an unused copy and ``m_x``). ``m_w2`` / ``m_out2_t``: the
+        """``x_copy`` / ``x_src``: the cp.async tiled copy (unused with ``x_bulk``) and ``m_x``, or with ``x_tma``
+        the TMA atom and its coordinate tensor over ``m_x``. ``m_w2`` / ``m_out2_t``: the
         joint weight and its output, and ``m_chain`` / ``expected`` the chain counters and count (see
         :class:`Link`); slots a launch does not use hold other tensors and are never touched."""
         t, link = self.tactic, self.link
