@@ -5,10 +5,10 @@ gigabytes of other layers' weights later. Activations are the opposite: every CT
 same token tile (128 CTAs for Kimi-K3's QKVG at TP8). So the weights' lines are marked ``evict_first`` and the
 activations' ``evict_last``: the streamed weights go first and the shared tile stays.
 
-Measured on H200 for Kimi-K3 TP8 (``benchmarks/RESULTS.md``): evict-first weights made the 48-row QKVG alone 0.4 us
-faster at M = 1 and 0.8 us at M = 16 (2026-11-30, eleventh session); evict-last activations on top of them made it
-2.9-4.0 us faster at M = 24 and 32 (32-token tiles), where evict-first weights alone had made the 64-row tiles 3 us
-slower, and up to 0.2 us faster at M = 8 and 16 (2026-12-01, twelfth session).
+Measured on H200 for Kimi-K3 TP8 (``benchmarks/RESULTS.md``, levers): evict-first weights make the 48-row QKVG
+alone 0.4 us faster at M = 1 and 0.8 us at M = 16; evict-last activations on top of them make it 2.9-4.0 us faster
+at M = 24 and 32 (32-token tiles), where evict-first weights alone make the 64-row tiles 3 us slower, and up to
+0.2 us faster at M = 8 and 16.
 
 The CuTe DSL's ``cp.async`` atom takes no cache policy, and its bulk copy drops the one it is given (DSL 4.8.1:
 the PTX has no hint), so the policy, the 16-byte copies and the bulk copy are inline PTX (SM 9.0 for the bulk copy);

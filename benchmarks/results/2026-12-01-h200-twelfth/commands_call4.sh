@@ -1,2 +1,0 @@
-# Call 4: the committed code, same machine as call 3
-source benchmarks/gpu_env.sh && export KDA_BACKEND_CACHE_DIR=$PWD/.kda-cache && mkdir -p $OUT && timeout 300 python -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_projection.py > $OUT/gpu_tests_projection.log 2>&1; tail -3 $OUT/gpu_tests_projection.log; timeout 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_capture_protocols.py tests/test_layer.py tests/test_hooks.py > $OUT/gpu_tests_rest.log 2>&1; tail -3 $OUT/gpu_tests_rest.log

@@ -1,0 +1,75 @@
+"""QKVG tactics against the default tactic, alone and inside the overlapped projection stage (Kimi-K3, TP8).
+
+For each M and each QKVG tactic (the default first), prints the tactic's shared memory, its relative error against
+fp32 (output poisoned with NaN first), QKVG alone in us per layer and as a multiple of its own HBM floor (QKVG
+weight bytes / copy bandwidth measured in the same process), and the overlapped stage: QKVG on the main stream,
+F_A/beta -> F_B forked onto an aux stream, with the excess over QKVG alone. Times are medians of 50 replays of a
+CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool behind most lever measurements in
+benchmarks/RESULTS.md: run it once per build, builds alternated.
+
+Example (GPU): python benchmarks/tools/qkvg_tactics.py 1,8,16 n48k256s4p,n64k256s4p n16k128s3x14p n16k128s3pL
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from stage_operands import TACTIC_HELP, StageOperands, overlapped_time, parse_tactic, require_cuda, token_counts
+
+from kda_backend.autotune import make_weight_copies
+from kda_backend.geometry import preset
+from kda_backend.kernels.skinny_gemm import default_tactic
+from kda_backend.timing import copy_bandwidth, graph_time_per_layer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ms", type=token_counts, help="comma-separated token counts M, e.g. 1,8,16")
+    ap.add_argument("qkvg", help=f"comma-separated QKVG tactics timed after the default; {TACTIC_HELP}")
+    ap.add_argument("fab", nargs="?", help="F_A/beta's tactic in the side chain (default: its default tactic)")
+    ap.add_argument("fb", nargs="?", help="F_B's tactic in the side chain (default: its default tactic)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    require_cuda()
+    g = preset("kimi-k3", 8)
+    weights = make_weight_copies(g, torch.device("cuda"))
+    aux = torch.cuda.Stream()
+    bandwidth = copy_bandwidth()
+    qkvg_floor = weights[0].w_qkvg.numel() * 2 / bandwidth * 1e6
+    print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, QKVG floor {qkvg_floor:.2f} us", flush=True)
+    for m in args.ms:
+        t_fab = parse_tactic(args.fab, m) if args.fab else default_tactic(g.fab_rows, g.hidden_size, m)
+        t_fb = parse_tactic(args.fb, m) if args.fb else default_tactic(g.local_width, g.head_dim, m)
+        ops = StageOperands(weights, m)
+
+        def side(i):
+            ops.fab_gemm(t_fab, i)
+            ops.fb_gemm(t_fb, i)
+
+        tactics = [default_tactic(g.qkvg_rows, g.hidden_size, m)]
+        tactics += [parse_tactic(spec, m) for spec in args.qkvg.split(",")]
+        for t_qkvg in tactics:
+
+            def qkvg(i, t_qkvg=t_qkvg):
+                ops.qkvg_gemm(t_qkvg, i)
+
+            for i in range(len(weights)):  # compile everything before capture
+                qkvg(i)
+                side(i)
+            ops.qkvg[0].fill_(float("nan"))
+            qkvg(0)
+            ref = ops.xs[0].float() @ weights[0].w_qkvg.float().t()
+            err = ((ops.qkvg[0].float() - ref).norm() / ref.norm()).item()
+            alone = graph_time_per_layer(qkvg) * 1e6
+            stage = overlapped_time(qkvg, side, aux) * 1e6
+            print(f"M={m:2} {t_qkvg.key():20} smem {t_qkvg.smem_bytes() // 1024:3} KB rel.err {err:.1e} "
+                  f"alone {alone:6.2f} us ({alone / qkvg_floor:.3f}x) stage {stage:6.2f} us (+{stage - alone:4.2f})",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

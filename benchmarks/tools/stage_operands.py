@@ -1,0 +1,90 @@
+"""Shared by the tools in this folder: rotating per-layer operands of the projection stage at M tokens, the three
+GEMMs on them, QKVG timed with a side chain forked beside it, tactics named on the command line, and the CUDA check.
+
+Not a tool itself: ``qkvg_tactics.py``, ``side_chain.py`` and ``stage_timeline.py`` import it (run them as scripts,
+``python benchmarks/tools/<tool>.py``, so this folder is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+
+import torch
+
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for
+from kda_backend.overlap import OverlapScheduler
+from kda_backend.providers.cute_provider import launch
+from kda_backend.timing import graph_time_per_layer
+from kda_backend.weights import ProjectionWeights
+
+LAYERS = 24  # layers per timed graph (graph_time_per_layer's default)
+TACTIC_KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)(B?)")
+TACTIC_HELP = (
+    "tactic keys without the token tile, which follows M: n<rows>k<block_k>s<stages>[x<split>][p][L][T][B], e.g. "
+    "n48k256s4p = 48 weight rows per CTA, 256-element K-tiles, 4 stages, PDL; x14 = split-K 14, L = activations "
+    "through L1, T = by TMA, B = by bulk copies"
+)
+
+
+def parse_tactic(spec: str, m: int) -> Tactic:
+    """A tactic from its key without the token tile, which follows ``m`` (see :data:`TACTIC_HELP`)."""
+    match = TACTIC_KEY.fullmatch(spec)
+    if match is None:
+        raise SystemExit(f"tactic {spec!r} does not read as n<rows>k<block_k>s<stages>[x<split>][p][L][T][B]")
+    rows, block_k, stages, split, pdl, l1, tma, bulk = match.groups()
+    return Tactic(
+        block_n=int(rows), block_k=int(block_k), block_t=block_t_for(m), stages=int(stages), pdl=pdl == "p",
+        x_via_l1=l1 == "L", split_k=int(split or 1), x_tma=tma == "T", x_bulk=bulk == "B",
+    )
+
+
+def token_counts(spec: str) -> list[int]:
+    """``"1,8,16"`` -> ``[1, 8, 16]`` (argparse type)."""
+    try:
+        ms = [int(v) for v in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"token counts {spec!r} must be comma-separated integers") from None
+    if not ms or min(ms) < 1:
+        raise SystemExit(f"token counts {spec!r} must be positive")
+    return ms
+
+
+def require_cuda() -> None:
+    """Exit with status 2 and a clear message where there is no CUDA device (as ``kda-backend bench`` does)."""
+    if not torch.cuda.is_available():
+        print("CUDA is not available on this machine: nothing can be measured here", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class StageOperands:
+    """One x ``[M, hidden]`` and output set per weight copy, so layer i uses copy ``i % copies``."""
+
+    def __init__(self, weights: list[ProjectionWeights], m: int) -> None:
+        g = weights[0].geometry
+        self.weights, self.copies, self.head_dim = weights, len(weights), g.head_dim
+
+        def buffers(cols: int, fill: Callable[..., torch.Tensor] = torch.empty) -> list[torch.Tensor]:
+            return [fill(m, cols, device="cuda", dtype=torch.bfloat16) for _ in weights]
+
+        self.xs = buffers(g.hidden_size, torch.randn)
+        self.qkvg, self.fab, self.g1 = buffers(g.qkvg_rows), buffers(g.fab_rows), buffers(g.local_width)
+
+    def qkvg_gemm(self, tactic: Tactic, i: int) -> None:
+        j = i % self.copies
+        launch(tactic, self.xs[j], self.weights[j].w_qkvg, self.qkvg[j])
+
+    def fab_gemm(self, tactic: Tactic, i: int) -> None:
+        j = i % self.copies
+        launch(tactic, self.xs[j], self.weights[j].w_fab, self.fab[j])
+
+    def fb_gemm(self, tactic: Tactic, i: int) -> None:
+        j = i % self.copies
+        launch(tactic, self.fab[j][:, : self.head_dim], self.weights[j].w_fb, self.g1[j])
+
+
+def overlapped_time(main: Callable[[int], None], side: Callable[[int], None], aux: torch.cuda.Stream) -> float:
+    """Seconds per layer of ``main(i)`` on the current stream with ``side(i)`` forked onto ``aux`` and joined."""
+    schedulers = [OverlapScheduler() for _ in range(LAYERS)]
+    return graph_time_per_layer(lambda i: schedulers[i].run(lambda: main(i), lambda: side(i), aux), layers=LAYERS)

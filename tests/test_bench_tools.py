@@ -1,0 +1,98 @@
+"""The measuring tools in ``benchmarks/tools/`` on the CPU: each imports, answers ``--help`` (in process and as a
+script), refuses to measure without a GPU, and the timeline tool's patched kernel still compiles."""
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOLS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
+TOOLS = ["kernel_sweep", "qkvg_tactics", "side_chain", "stage_timeline"]
+
+
+@pytest.fixture
+def tools_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS_DIR))
+
+
+def test_every_script_in_the_folder_is_covered():
+    assert sorted(p.stem for p in TOOLS_DIR.glob("*.py")) == sorted(TOOLS + ["stage_operands"])
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_help_in_process(name, tools_on_path, capsys):
+    module = importlib.import_module(name)
+    assert module.__doc__ and "Example (GPU)" in module.__doc__
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and module.__doc__.splitlines()[0] in out
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_help_as_a_script(name):
+    proc = subprocess.run([sys.executable, str(TOOLS_DIR / f"{name}.py"), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage:")
+
+
+@pytest.mark.parametrize(
+    ("name", "argv"),
+    [
+        ("kernel_sweep", ["--skip-check"]),
+        ("qkvg_tactics", ["1,16", "n48k256s4p"]),
+        ("side_chain", ["1,16", "split"]),
+        ("stage_timeline", ["1,16"]),
+    ],
+)
+def test_exit_2_without_cuda(name, argv, tools_on_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    assert exit_info.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_tactic_keys(tools_on_path):
+    from stage_operands import parse_tactic, token_counts
+
+    t = parse_tactic("n16k128s3x14pL", 1)
+    assert (t.block_n, t.block_k, t.block_t, t.stages, t.split_k, t.pdl, t.x_via_l1) == (16, 128, 16, 3, 14, True, True)
+    assert parse_tactic("n48k256s4p", 24).block_t == 32
+    assert parse_tactic("n16k256s4pB", 1).x_bulk and parse_tactic("n48k128s4x4pT", 16).x_tma
+    assert t.key() == "n16k128t16s3x14pL"
+    assert token_counts("1,8,16") == [1, 8, 16]
+    with pytest.raises(SystemExit):
+        parse_tactic("n16k128", 1)
+    with pytest.raises(SystemExit):
+        token_counts("1,x")
+
+
+def test_side_chain_groups_follow_m(tools_on_path):
+    from side_chain import FAB_GROUPS, fab_tactics
+
+    tactics = fab_tactics("split,n16k128s3x14p", 24)
+    assert len(tactics) == len(FAB_GROUPS["split"]) + 1
+    assert {t.block_t for t in tactics} == {32}
+
+
+def test_timeline_patch_compiles_for_sm90a(tools_on_path, monkeypatch):
+    """The timeline tool patches skinny_gemm.py's source by anchors: each must still match once, and the patched
+    kernel (a split-K F_A/beta, whose records follow its arrival counters) must compile."""
+    from stage_timeline import compile_timed, patched_module, patched_source
+
+    from kda_backend.geometry import preset
+    from kda_backend.kernels.skinny_gemm import default_tactic
+
+    assert patched_source().count("globaltimer_lo()") == 3
+    module = patched_module()
+    g = preset("kimi-k3", 8)
+    tactic = default_tactic(g.fab_rows, g.hidden_size, 1)
+    assert tactic.split_k > 1
+    assert compile_timed(module, module.Tactic(**vars(tactic)), g.fab_rows, g.hidden_size, g.hidden_size,
+                         arch="sm_90a") is not None
