@@ -189,8 +189,8 @@ def _candidate_label(candidate: tuple) -> str:
 def most_robust(times: dict[Hashable, list[float]]) -> Hashable:
     """The candidate whose worst slowdown against the fastest candidate at each timed M is smallest (the first
     listed wins a tie). A sum over M can pick a tactic that loses at the bucket's largest M, where the stage is
-    furthest from its floor: one H200 run picked QKVG with activations from L2, and the stage at M = 13..16 came
-    out 0.5-0.8 us slower than the run before (benchmarks/RESULTS.md, 2026-11-30 sixth session)."""
+    furthest from its floor: on H200 the sum picked QKVG with activations from L2, whose stage was 0.5-0.8 us
+    slower at M = 13..16 (benchmarks/RESULTS.md, levers)."""
     return min(times, key=worst_slowdowns(times).__getitem__)
 
 

@@ -3,9 +3,9 @@
 Kimi-K3 TP8 QKVG's tuned CTAs (16 rows, 64 KB of shared memory) fit three to an SM, so on a 132-SM H200 its 384
 CTAs leave 12 of 396 slots free, on SMs that then hold two QKVG CTAs. A side-chain CTA small enough to fit beside
 three QKVG CTAs may land on any SM, and slows the QKVG CTAs it shares an SM with; the stage ends with its slowest
-QKVG CTA. A CTA too large for that lands only in a free slot. Measured on H200 (benchmarks/RESULTS.md, 2026-11-30
-seventh session): F_A/beta as 12 CTAs of 48 rows and 66 KB made the overlapped stage 0.5-0.8 us faster at M = 16
-than 126 split-K CTAs of 17-25 KB, although it takes twice as long alone.
+QKVG CTA. A CTA too large for that lands only in a free slot. Measured on H200 (benchmarks/RESULTS.md, levers):
+beside 16-row QKVG CTAs, F_A/beta as 12 CTAs of 48 rows and 66 KB makes the overlapped stage 0.5-0.8 us faster at
+M = 16 than 126 split-K CTAs of 17-25 KB, although it takes twice as long alone.
 """
 
 from __future__ import annotations
