@@ -13,6 +13,7 @@ from kda_backend.plan import Plan, Step
 from kda_backend.plugins import get_plugin_manager, hooks, register_plugin, unregister_plugin
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.base import GemmCall, GemmProvider
+from kda_backend.serving import build_projection
 from kda_backend.weights import ProjectionWeights
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ProjectionWeights",
     "Step",
     "__version__",
+    "build_projection",
     "get_plugin_manager",
     "hookimpl",
     "hooks",

@@ -6,9 +6,8 @@ is served from L2) - see :mod:`kda_backend.timing`:
 1. CuTe tactics, per role and tactic bucket (:func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`), timed at a
    few M of the bucket and chosen by their worst slowdown at any of them (:func:`most_robust`): the side chain's
    kernels alone, then QKVG and the side chain's again inside the overlapped stage (see :func:`tune_tactics`).
-2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), and the
-   chained stage of each provider that has one, each candidate running through
-   :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path.
+2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
+   candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path.
 
 Tuning compiles kernels and captures graphs, so it runs before the engine captures its own graphs, never inside.
 """
@@ -249,24 +248,13 @@ def usable_providers(weights: ProjectionWeights, m: int) -> dict[str, tuple[str,
     return usable
 
 
-def chaining_providers(weights: ProjectionWeights, m: int) -> tuple[str, ...]:
-    """The names of the providers that can run this device's stage chained at ``m`` tokens, best first."""
-    projection = KDAProjection(weights)
-    calls = {role: projection.gemm_call(role, m) for role in ROLES}
-    return tuple(
-        p.name for p in hooks.gemm_providers()
-        if dispatch.broken_reason(p.name) is None and p.why_not_chained(calls) is None
-    )
-
-
-def step_candidates(m: int, usable: dict[str, tuple[str, ...]], chaining: tuple[str, ...] = ()) -> list[Step]:
-    """Overlapped or sequential x provider of QKVG x provider of the side chain, then the chained stage of each
-    provider in ``chaining``. F_B follows the side chain's provider where that one serves it (it reads a strided
-    view not every provider takes), else ``auto``."""
+def step_candidates(m: int, usable: dict[str, tuple[str, ...]]) -> list[Step]:
+    """Overlapped or sequential x provider of QKVG x provider of the side chain. F_B follows the side chain's
+    provider where that one serves it (it reads a strided view not every provider takes), else ``auto``."""
     return [
         Step(overlap=overlap, qkvg=main, fab=side, fb=side if side in usable["fb"] else AUTO)
         for overlap, main, side in itertools.product((False, True), usable["qkvg"], usable["fab"])
-    ] + [Step(chained=True, qkvg=name, fab=name, fb=name) for name in chaining]
+    ]
 
 
 def time_step(weights: list[ProjectionWeights], step: Step, m: int) -> float:
@@ -291,7 +279,7 @@ def tune_plan(
     timings: dict[int, dict[str, float]] = {}
     for m in ms:
         results = []
-        for step in step_candidates(m, usable_providers(weights[0], m), chaining_providers(weights[0], m)):
+        for step in step_candidates(m, usable_providers(weights[0], m)):
             try:
                 results.append((time_step(weights, step, m), step))
             except Exception as exc:  # a candidate that cannot run is not a plan; report it and go on
@@ -303,7 +291,7 @@ def tune_plan(
     return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH), timings
 
 
-MODE_LABELS = {"overlap": "ovl", "sequential": "seq", "chained": "chn"}
+MODE_LABELS = {"overlap": "ovl", "sequential": "seq"}
 
 
 def _step_label(step: Step) -> str:

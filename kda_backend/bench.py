@@ -6,8 +6,6 @@ with rotated weights, see :mod:`kda_backend.timing`):
 - ``seq_cublas``: sequential, one cuBLAS GEMM over the packed [QKVG; FAB] weight then F_B (vLLM's fallback path);
 - ``peers``: cuBLAS QKVG on the main stream, cuBLAS F_A/beta -> F_B on an aux stream (both engines' Hopper design);
 - ``ours``: this device's tuned plan (or whatever :func:`~kda_backend.planning.resolve_plan` gives);
-- ``chained``: the CuTe chained stage (F_A/beta in QKVG's launch, F_B behind it on the same stream), what a plan can
-  serve where the host never allows a fork;
 - ``qkvg_cublas`` / ``qkvg_cute`` / ``fab_cute`` / ``fb_cute``: single GEMMs alone, for the kernel report (which
   also names the CuTe tactics, so a run records what the tuner chose).
 
@@ -24,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, chaining_providers, make_weight_copies
+from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, make_weight_copies
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.skinny_gemm import Tactic, output_tiles
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
@@ -41,7 +39,6 @@ LAYER_MS = (1, 4, 16)
 # cuBLAS at M >= 128), one round apiece measured ratios from 0.94 to 1.02 between runs.
 STAGE_ROUNDS = 3
 PEERS = Step(overlap=True, qkvg="torch", fab="torch", fb="torch")
-CHAINED_CUTE = Step(chained=True, qkvg="cute", fab="cute", fb="cute")
 
 
 def _stage_time(weights, plan: Plan, m: int) -> float:
@@ -115,8 +112,6 @@ def run_bench(
     for m in ms:
         row: dict[str, Any] = {"m": m, "floor": floor_us, "qkvg_floor": qkvg_floor_us, "plan": plan.step(m).to_json()}
         variants = {"seq_cublas": Plan(fallback=SEQUENTIAL_TORCH), "peers": Plan(fallback=PEERS), "ours": plan}
-        if "cute" in chaining_providers(weights[0], m):
-            variants["chained"] = Plan(fallback=CHAINED_CUTE)
         samples: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(STAGE_ROUNDS):
             for name, variant in variants.items():
@@ -156,16 +151,14 @@ def render_table(results: dict[str, Any]) -> str:
         f"{results['device']}  copy bandwidth {results['copy_bandwidth_tbs']:.3f} TB/s  "
         f"floor {results['rows'][0]['floor']:.2f} us  plan: {results['plan_source']}",
         f"{'M':>4} {'seq_cuBLAS':>10} {'peers':>8} {'ours':>8} {'floor':>7} {'ours/floor':>10} "
-        f"{'seq/ours':>8} {'peers/ours':>10} {'chained':>8}  plan",
+        f"{'seq/ours':>8} {'peers/ours':>10}  plan",
     ]
     for r in results["rows"]:
         step = Step.from_json(r["plan"])
         mode = f"{MODE_LABELS[step.mode]} {step.qkvg}/{step.fab}/{step.fb}"
-        chained = f"{r['chained']:>8.2f}" if "chained" in r else f"{'-':>8}"
         lines.append(
             f"{r['m']:>4} {r['seq_cublas']:>10.2f} {r['peers']:>8.2f} {r['ours']:>8.2f} {r['floor']:>7.2f} "
-            f"{r['ours'] / r['floor']:>10.3f} {r['seq_cublas'] / r['ours']:>8.3f} {r['peers'] / r['ours']:>10.3f} "
-            f"{chained}  {mode}"
+            f"{r['ours'] / r['floor']:>10.3f} {r['seq_cublas'] / r['ours']:>8.3f} {r['peers'] / r['ours']:>10.3f}  {mode}"
         )
     same = [r["m"] for r in results["rows"] if Step.from_json(r["plan"]) == SEQUENTIAL_TORCH]
     if same:
@@ -228,7 +221,7 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     rows = results["rows"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key, label in (("seq_cublas", "sequential packed cuBLAS"), ("peers", "peers: cuBLAS + aux stream"),
-                       ("ours", "kda-backend plan"), ("chained", "kda-backend chained (no fork)")):
+                       ("ours", "kda-backend plan")):
         points = [(r["m"], r[key]) for r in rows if key in r]
         if points:
             ax.plot(*zip(*points), marker="o", label=label)

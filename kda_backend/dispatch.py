@@ -1,6 +1,8 @@
 """Choosing a GEMM provider per call: walk providers by priority, log each rejection once, end at torch.
 
-``KDA_BACKEND_PROVIDER`` (or an explicit ``forced`` argument) pins a role to a named provider; a pinned provider
+Rejections are expected on a healthy machine (FlashInfer's kernels are Blackwell-only, CuTe's stop at M = 64, the
+CPU has neither), so each is logged once at DEBUG; the projection says once at INFO which provider serves each
+role. ``KDA_BACKEND_PROVIDER`` (or an explicit ``forced`` argument) pins a role to a named provider; a pinned provider
 that cannot serve a call raises :class:`ValueError` naming the registered choices instead of falling back.
 A provider that fails at run time is marked broken for the process (one warning) and the next one serves.
 """
@@ -8,7 +10,7 @@ A provider that fails at run time is marked broken for the process (one warning)
 from __future__ import annotations
 
 from kda_backend import env
-from kda_backend.log import warn_once
+from kda_backend.log import debug_once, warn_once
 from kda_backend.plugins import hooks
 from kda_backend.providers.base import ROLES, GemmCall, GemmProvider
 
@@ -71,7 +73,7 @@ def select(call: GemmCall, forced: str | None = None) -> GemmProvider:
         reason = provider.why_not(call)
         if reason is None:
             return provider
-        warn_once(
+        debug_once(
             f"reject-{provider.name}-{call.role}-{call.n}-{call.k}-{call.device_type}-{reason}",
             f"provider {provider.name!r} skipped for {call.role} [N={call.n}, K={call.k}]: {reason}",
         )

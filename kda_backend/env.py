@@ -33,8 +33,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "KDA_BACKEND_PLAN",
         "",
-        "Force the projection plan: `sequential` or `overlap` (every M), `chained` (M <= 16, sequential cuBLAS "
-        "beyond; for hosts that never allow a fork), or the path of a plan JSON file.",
+        "Force the projection plan: `sequential` or `overlap` (every M), or the path of a plan JSON file.",
     ),
     EnvVar(
         "KDA_BACKEND_AUTOTUNE",

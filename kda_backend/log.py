@@ -28,3 +28,11 @@ def warn_once(key: str, message: str) -> None:
         return
     _warned.add(key)
     get_logger().warning(message)
+
+
+def debug_once(key: str, message: str) -> None:
+    """Log ``message`` at DEBUG the first time ``key`` is seen in this process."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    get_logger().debug(message)

@@ -1,4 +1,4 @@
-"""A projection plan: per token count M, overlapped, chained or sequential, and which provider serves each GEMM.
+"""A projection plan: per token count M, overlapped or sequential, and which provider serves each GEMM.
 
 A plan has steps for the M values it was tuned for; any other M gets the plan's ``fallback`` step (by default
 sequential with providers chosen automatically by :mod:`kda_backend.dispatch`; ``"auto"`` as a provider name
@@ -20,25 +20,18 @@ class Step:
     """What the projection does for one M.
 
     :param overlap: run the F_A/beta -> F_B chain beside QKVG: forked onto an aux stream where the host allows a
-        fork, else trailing QKVG's launch on its stream where the provider can (the same bits either way).
-    :param chained: QKVG and F_A/beta in one launch, then F_B in a second that waits for F_A/beta's output only;
-        one stream, so it never needs the host's permission to fork (served by a provider with a chained stage,
-        named by ``qkvg``). Neither: the three GEMMs one after another.
+        fork, else trailing QKVG's launch on its stream where the provider can (the same bits either way); else the
+        three GEMMs run one after another.
     """
 
     overlap: bool = False
     qkvg: str = AUTO
     fab: str = AUTO
     fb: str = AUTO
-    chained: bool = False
-
-    def __post_init__(self) -> None:
-        if self.overlap and self.chained:
-            raise ValueError("a plan step is overlapped or chained, not both")
 
     @property
     def mode(self) -> str:
-        return "chained" if self.chained else "overlap" if self.overlap else "sequential"
+        return "overlap" if self.overlap else "sequential"
 
     def provider(self, role: str) -> str:
         return getattr(self, role)
@@ -48,14 +41,10 @@ class Step:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Step:
-        unknown = set(data) - {"overlap", "chained", *ROLES}
+        unknown = set(data) - {"overlap", *ROLES}
         if unknown:
             raise ValueError(f"plan step has unknown fields {sorted(unknown)}")
-        return cls(
-            overlap=bool(data.get("overlap", False)),
-            chained=bool(data.get("chained", False)),
-            **{r: str(data.get(r, AUTO)) for r in ROLES},
-        )
+        return cls(overlap=bool(data.get("overlap", False)), **{r: str(data.get(r, AUTO)) for r in ROLES})
 
 
 DEFAULT_STEP = Step()

@@ -1,6 +1,6 @@
 """Which plan a projection runs: forced by the environment, stored for this device, tuned now, or the safe default.
 
-Order: ``KDA_BACKEND_PLAN`` (``sequential``, ``overlap``, ``chained`` or a plan file) > the stored plan for this device key >
+Order: ``KDA_BACKEND_PLAN`` (``sequential``, ``overlap`` or a plan file) > the stored plan for this device key >
 tuning now when ``KDA_BACKEND_AUTOTUNE=1`` (then stored) > sequential cuBLAS with one warning. The result passes
 through the ``kda_share_plan`` hook so every tensor-parallel rank runs the same plan.
 """
@@ -19,9 +19,6 @@ from kda_backend.plan_store import TacticTable
 from kda_backend.plugins import hooks
 
 FORCED_MAX_M = 256
-# A forced chained plan chains up to here and runs sequential cuBLAS beyond: measured on H200 for Kimi-K3 TP8, the
-# CuTe chained stage takes 22.7-26.0 us at M = 1..16 but 39-46 us at M = 24..64, where cuBLAS QKVG is faster.
-FORCED_CHAINED_MAX_M = 16
 
 # Every layer of a model asks for the same plan: resolve (and broadcast) it once per process and key.
 _resolved: dict[tuple, Plan] = {}
@@ -36,12 +33,9 @@ def forced_plan() -> tuple[Plan, TacticTable] | None:
         return Plan.uniform(FORCED_MAX_M, Step(overlap=False), source="env:sequential"), {}
     if value == "overlap":
         return Plan.uniform(FORCED_MAX_M, Step(overlap=True), source="env:overlap"), {}
-    if value == "chained":
-        steps = Plan.uniform(FORCED_CHAINED_MAX_M, Step(chained=True)).steps
-        return Plan(steps=steps, source="env:chained", fallback=SEQUENTIAL_TORCH), {}
     loaded = plan_store.load_file(Path(value))
     if loaded is None:
-        raise ValueError(f"KDA_BACKEND_PLAN={value!r}: not 'sequential', 'overlap', 'chained' or a readable plan file")
+        raise ValueError(f"KDA_BACKEND_PLAN={value!r}: not 'sequential', 'overlap' or a readable plan file")
     return loaded
 
 

@@ -1,28 +1,31 @@
 """``KDAProjection``: the projection stage of one KDA layer over zero-copy weight views.
 
 ``forward(x)`` with x ``[M, hidden]`` returns ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])`` in the weights'
-dtype. Per M the plan says whether the F_A/beta -> F_B chain overlaps the QKVG GEMM on an aux stream, runs chained
-behind it on the same stream (:attr:`~kda_backend.plan.Step.chained`) or after it, and which provider serves each
-GEMM. The fork happens only when the host says it is legal (a full CUDA graph is being captured); otherwise the same
-kernels run on one stream, so eager and replayed results are bit-identical: the side chain still runs beside QKVG
-where the provider can trail it behind its own QKVG launch (:meth:`GemmProvider.run_trailing`), else after it.
+dtype. The first call at an M turns the plan's step for that M into a stage (:mod:`kda_backend.stages`): the
+provider serving each GEMM, chosen by :mod:`kda_backend.dispatch` and compiled, bound into launchers, and whether
+the side chain runs beside QKVG. Later calls at that M validate the input, allocate the outputs and run the stage.
 
-When the plan leaves a step sequential and both big GEMMs fall to the torch provider over a packed weight, one
-``torch.mm`` over the packed ``[QKVG; FAB]`` tensor serves both (engines' own sequential path, bit for bit).
+A provider that fails while compiling or launching is dropped (one warning) and the stage rebuilt without it, down
+to the torch provider, which always serves; a provider the plan or ``KDA_BACKEND_PROVIDER`` forces fails loudly.
+The fork onto the aux stream happens only when the host says it is legal (a CUDA graph is being captured); the
+other paths run the same kernels, so eager and replayed results are bit-identical.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
-from kda_backend.log import warn_once
-from kda_backend.overlap import OverlapScheduler
-from kda_backend.plan import AUTO, Plan, Step
-from kda_backend.plugins import hooks
+from kda_backend.log import get_logger
+from kda_backend.plan import AUTO, Plan
 from kda_backend.providers.base import ROLES, GemmCall, GemmProvider
+from kda_backend.stages import Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
 from kda_backend.weights import ProjectionWeights
+
+_announced: set[tuple[str, str]] = set()
 
 
 class KDAProjection:
@@ -40,10 +43,9 @@ class KDAProjection:
         self.weights = weights
         self.plan = plan or Plan()
         self.aux_stream = aux_stream
-        self._scheduler = OverlapScheduler()
         self._chosen: dict[tuple[str, int], GemmProvider] = {}
-        self._chained: dict[int, GemmProvider | None] = {}
-        self._trailing: dict[int, GemmProvider | None] = {}
+        # M -> (the stage, the packed single-GEMM stage where one serves calls without output buffers).
+        self._stages: dict[int, tuple[SequentialStage, PackedStage | None]] = {}
 
     @property
     def geometry(self) -> KDAGeometry:
@@ -63,174 +65,6 @@ class KDAProjection:
         if x.shape[0] > 0 and x.stride(1) != 1:
             raise ValueError(f"x: stride {x.stride()} must be unit along hidden")
 
-    def provider(self, role: str, m: int) -> GemmProvider:
-        """The provider serving ``role`` at ``m`` tokens (selected once per (role, M), then cached)."""
-        key = (role, m)
-        if key not in self._chosen:
-            call = self.gemm_call(role, m)
-            name = self.plan.step(m).provider(role)
-            forced = None if name == AUTO else name
-            while True:
-                provider = dispatch.select(call, forced=forced)
-                try:
-                    provider.prepare(call)
-                    break
-                except Exception as exc:
-                    # A kernel that cannot compile must not take serving down: the next provider serves.
-                    if forced is not None or dispatch.is_forced(role) or provider.name == "torch":
-                        raise
-                    dispatch.mark_broken(provider, f"prepare failed: {type(exc).__name__}: {exc}")
-            self._chosen[key] = provider
-        return self._chosen[key]
-
-    def chained_provider(self, m: int) -> GemmProvider | None:
-        """The provider serving the chained stage at ``m`` tokens (the step's ``qkvg`` provider, or with ``auto``
-        the first that can), selected and prepared once per M; ``None`` (one warning) when no provider can, and
-        the three GEMMs then run one after another."""
-        if m not in self._chained:
-            calls = {role: self.gemm_call(role, m) for role in ROLES}
-            name = self.plan.step(m).qkvg
-            chosen = None
-            if name != AUTO:
-                chosen = dispatch.provider_by_name(name)
-                reason = chosen.why_not_chained(calls)
-                if reason is not None:
-                    raise ValueError(f"plan provider {name!r} cannot run the chained stage at M={m}: {reason}")
-                chosen.prepare_chained(calls)
-            else:
-                reasons = []
-                for provider in hooks.gemm_providers():
-                    reason = dispatch.broken_reason(provider.name) or provider.why_not_chained(calls)
-                    if reason is None:
-                        try:
-                            provider.prepare_chained(calls)
-                        except Exception as exc:
-                            reason = f"chained stage: prepare failed: {type(exc).__name__}: {exc}"
-                            dispatch.mark_broken(provider, reason)
-                            reasons.append(f"{provider.name}: {reason}")
-                            continue
-                        chosen = provider
-                        break
-                    reasons.append(f"{provider.name}: {reason}")
-                if chosen is None:
-                    why = "; ".join(reasons)
-                    warn_once(f"no-chained-{why}", f"no provider can run the chained stage at M={m} ({why}): its GEMMs "
-                              "run one after another")
-            self._chained[m] = chosen
-        return self._chained[m]
-
-    def trailing_provider(self, m: int) -> GemmProvider | None:
-        """The provider that runs an overlapped step's side chain behind its own QKVG launch on one stream at ``m``
-        tokens (where the host does not allow a fork): the one serving all three GEMMs, if it can; else ``None``
-        and the side chain runs after QKVG."""
-        if m not in self._trailing:
-            provider = self.provider("qkvg", m)
-            same = provider is self.provider("fab", m) and provider is self.provider("fb", m)
-            calls = {role: self.gemm_call(role, m) for role in ROLES}
-            chosen = None
-            if same and dispatch.broken_reason(provider.name) is None and provider.why_not_trailing(calls) is None:
-                try:
-                    provider.prepare_trailing(calls)
-                    chosen = provider
-                except Exception as exc:
-                    dispatch.mark_broken(provider, f"trailing side chain: prepare failed: {type(exc).__name__}: {exc}")
-            self._trailing[m] = chosen
-        return self._trailing[m]
-
-    def prepare(self, ms: range | list[int]) -> None:
-        """Select (and compile) providers for every M in ``ms``; call before CUDA-graph capture. Chained steps
-        prepare the per-GEMM providers too: they serve if the chained stage fails."""
-        for m in ms:
-            if self.plan.step(m).chained:
-                self.chained_provider(m)
-            for role in ROLES:
-                self.provider(role, m)
-            if self.plan.step(m).overlap:
-                self.trailing_provider(m)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        qkvg_out: torch.Tensor | None = None,
-        fab_out: torch.Tensor | None = None,
-        g1_out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project ``x [M, hidden]`` -> ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])``.
-
-        :param qkvg_out: optional contiguous ``[M, 4*hD]`` buffer to write qkvg into.
-        :param fab_out: optional contiguous ``[M, fab_rows]`` buffer for F_A/beta (beta_raw is a view into it).
-        :param g1_out: optional contiguous ``[M, hD]`` buffer for g1.
-
-        qkvg is contiguous, or a view with row stride ``packed_rows`` on the packed single-GEMM path (taken only
-        when no output buffers are given); beta_raw is always a strided view into the F_A/beta output.
-        """
-        self.validate_input(x)
-        g, w = self.geometry, self.weights
-        m = x.shape[0]
-        outs = {"qkvg_out": (qkvg_out, g.qkvg_rows), "fab_out": (fab_out, g.fab_rows), "g1_out": (g1_out, g.local_width)}
-        for name, (buf, cols) in outs.items():
-            if buf is not None:
-                self._validate_output(name, buf, m, cols, x)
-        step = self.plan.step(m)
-        if m == 0:
-            fab = x.new_empty(0, g.fab_rows)
-            return x.new_empty(0, g.qkvg_rows), x.new_empty(0, g.local_width), fab[:, g.head_dim : g.fab_rows_used]
-        g1 = x.new_empty(m, g.local_width) if g1_out is None else g1_out
-        if qkvg_out is None and fab_out is None and self._use_packed_mm(step, m):
-            out = x.new_empty(m, g.packed_rows)
-            self.provider("qkvg", m).run("qkvg", x, w.packed, out)
-            qkvg, fab = out[:, : g.qkvg_rows], out[:, g.qkvg_rows :]
-            self._run("fb", fab[:, : g.head_dim], w.w_fb, g1)
-            return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
-
-        qkvg = x.new_empty(m, g.qkvg_rows) if qkvg_out is None else qkvg_out
-        fab = x.new_empty(m, g.fab_rows) if fab_out is None else fab_out
-        if step.chained and self._run_chained(x, qkvg, fab, g1):
-            return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
-
-        def main() -> None:
-            self._run("qkvg", x, w.w_qkvg, qkvg)
-
-        def side() -> None:
-            self._run("fab", x, w.w_fab, fab)
-            self._run("fb", fab[:, : g.head_dim], w.w_fb, g1)
-
-        aux = None
-        if step.overlap and x.device.type == "cuda" and hooks.fork_allowed(x.device):
-            aux = self.aux_stream or hooks.aux_stream(x.device)
-            if aux == torch.cuda.current_stream(x.device):
-                # torch hands out pooled streams round-robin, so a host's aux stream can alias the capture stream.
-                warn_once("aux-is-current", f"the aux stream {aux} is the current stream: the side chain runs on it "
-                          "without a fork (the same kernels, same results)")
-                aux = None
-        if aux is not None:
-            self._scheduler.run(main, side, aux)
-        else:
-            main()
-            if not (step.overlap and self._run_trailing(x, fab, g1)):
-                side()
-        return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
-
-    __call__ = forward
-
-    @staticmethod
-    def _validate_output(name: str, buf: torch.Tensor, m: int, cols: int, x: torch.Tensor) -> None:
-        if tuple(buf.shape) != (m, cols):
-            raise ValueError(f"{name}: shape {tuple(buf.shape)} != expected ({m}, {cols})")
-        if buf.dtype != x.dtype or buf.device != x.device:
-            raise ValueError(f"{name}: {buf.dtype} on {buf.device} != x's {x.dtype} on {x.device}")
-        if not buf.is_contiguous():
-            raise ValueError(f"{name}: must be contiguous, got stride {buf.stride()}")
-
-    def _use_packed_mm(self, step: Step, m: int) -> bool:
-        return (
-            self.weights.packed is not None
-            and not step.overlap
-            and (not step.chained or self.chained_provider(m) is None)
-            and self.provider("qkvg", m).name == "torch"
-            and self.provider("fab", m).name == "torch"
-        )
-
     def gemm_call(self, role: str, m: int) -> GemmCall:
         """The GEMM ``role`` performs at ``m`` tokens, with the strides the real operands will have."""
         g, w = self.geometry, self.weights
@@ -248,52 +82,144 @@ class KDAProjection:
             w_row_stride=weight.stride(0),
         )
 
-    def _run_chained(self, x: torch.Tensor, qkvg: torch.Tensor, fab: torch.Tensor, g1: torch.Tensor) -> bool:
-        """Run the chained stage; ``False`` when no provider can, so the caller runs the GEMMs one by one."""
-        m = x.shape[0]
-        provider = self.chained_provider(m)
-        if provider is None or dispatch.broken_reason(provider.name) is not None:  # as in _run_trailing
-            return False
-        w = self.weights
-        try:
-            provider.run_chained(x, {"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}, qkvg, fab, g1)
-        except Exception as exc:
-            if self.plan.step(m).qkvg != AUTO:
-                raise
-            self._drop(provider, f"chained stage: {type(exc).__name__}: {exc}")
-            return False
-        return True
+    def provider(self, role: str, m: int) -> GemmProvider:
+        """The provider serving ``role`` at ``m`` tokens, selected and prepared once per (role, M); a provider
+        that cannot prepare (a kernel that does not compile) is dropped and the next one serves."""
+        key = (role, m)
+        if key not in self._chosen:
+            call = self.gemm_call(role, m)
+            name = self.plan.step(m).provider(role)
+            forced = None if name == AUTO else name
+            while True:
+                provider = dispatch.select(call, forced=forced)
+                try:
+                    provider.prepare(call)
+                    break
+                except Exception as exc:
+                    if forced is not None or dispatch.is_forced(role) or provider.name == "torch":
+                        raise
+                    dispatch.mark_broken(provider, f"prepare failed: {type(exc).__name__}: {exc}")
+            if (role, provider.name) not in _announced:
+                _announced.add((role, provider.name))
+                get_logger().info("%s GEMM [N=%d, K=%d] served by %r", role, call.n, call.k, provider.name)
+            self._chosen[key] = provider
+        return self._chosen[key]
 
-    def _run_trailing(self, x: torch.Tensor, fab: torch.Tensor, g1: torch.Tensor) -> bool:
-        """Run the side chain trailing QKVG's launch; ``False`` when no provider can, so the caller runs it after."""
-        provider = self.trailing_provider(x.shape[0])
-        # Another layer may have seen this provider fail since it was cached here (one launch of a pair may have
-        # left the stream's chain counters behind): never use it again.
-        if provider is None or dispatch.broken_reason(provider.name) is not None:
-            return False
-        w = self.weights
-        try:
-            provider.run_trailing(x, {"fab": w.w_fab, "fb": w.w_fb}, fab, g1)
-        except Exception as exc:
-            self._drop(provider, f"trailing side chain: {type(exc).__name__}: {exc}")
-            return False
-        return True
+    def stage(self, m: int) -> SequentialStage:
+        """The stage serving ``m`` tokens (built and compiled on first use)."""
+        return self._stage_pair(m)[0]
 
-    def _run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    def prepare(self, ms: range | list[int]) -> None:
+        """Build (and compile) the stage of every M in ``ms``; call before CUDA-graph capture."""
+        for m in ms:
+            self._stage_pair(m)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        qkvg_out: torch.Tensor | None = None,
+        fab_out: torch.Tensor | None = None,
+        g1_out: torch.Tensor | None = None,
+        compute_fb: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Project ``x [M, hidden]`` -> ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])``.
+
+        :param qkvg_out: optional contiguous ``[M, 4*hD]`` buffer to write qkvg into.
+        :param fab_out: optional contiguous ``[M, fab_rows]`` buffer for F_A/beta (beta_raw is a view into it).
+        :param g1_out: optional contiguous ``[M, hD]`` buffer for g1.
+        :param compute_fb: ``False`` when the host applies F_B itself (it reads f_a from ``fab_out``): no F_B
+            kernel runs and ``g1`` is ``None``; the side chain is F_A/beta alone (forked where allowed, else after
+            QKVG).
+
+        qkvg is contiguous, or a view with row stride ``packed_rows`` on the packed single-GEMM path (taken only
+        when no output buffers are given); beta_raw is always a strided view into the F_A/beta output.
+        """
+        self.validate_input(x)
+        g = self.geometry
         m = x.shape[0]
+        for name, buf, cols in (("qkvg_out", qkvg_out, g.qkvg_rows), ("fab_out", fab_out, g.fab_rows),
+                                ("g1_out", g1_out, g.local_width)):
+            if buf is not None:
+                _validate_output(name, buf, m, cols, x)
+        if not compute_fb and g1_out is not None:
+            raise ValueError("g1_out: given with compute_fb=False, which computes no g1")
+        g1 = None if not compute_fb else x.new_empty(m, g.local_width) if g1_out is None else g1_out
+        if m == 0:
+            fab = x.new_empty(0, g.fab_rows)
+            return x.new_empty(0, g.qkvg_rows), g1, fab[:, g.head_dim : g.fab_rows_used]
+        while True:
+            stage, packed = self._stages.get(m) or self._stage_pair(m)
+            try:
+                if packed is not None and qkvg_out is None and fab_out is None:
+                    out = x.new_empty(m, g.packed_rows)
+                    packed.run(x, self.weights, out, g1)
+                    qkvg, fab = out[:, : g.qkvg_rows], out[:, g.qkvg_rows :]
+                else:
+                    qkvg = x.new_empty(m, g.qkvg_rows) if qkvg_out is None else qkvg_out
+                    fab = x.new_empty(m, g.fab_rows) if fab_out is None else fab_out
+                    stage.run(x, self.weights, qkvg, fab, g1)
+                return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
+            except LaunchFailed as failed:
+                self._recover(failed, m)
+
+    __call__ = forward
+
+    def _stage_pair(self, m: int) -> tuple[SequentialStage, PackedStage | None]:
+        if m not in self._stages:
+            step = self.plan.step(m)
+            gemms = {role: self._gemm(role, m, self.gemm_call(role, m)) for role in ROLES}
+            if step.overlap:
+                stage: SequentialStage = OverlappedStage(
+                    **gemms, trailing=self._trailing_provider(m, gemms), aux_stream=self.aux_stream
+                )
+            else:
+                stage = SequentialStage(**gemms)
+            packed = None
+            w = self.weights
+            if w.packed is not None and not step.overlap and {gemms["qkvg"].provider.name,
+                                                               gemms["fab"].provider.name} == {"torch"}:
+                call = dataclasses.replace(self.gemm_call("qkvg", m), n=self.geometry.packed_rows)
+                packed = PackedStage(self._gemm("qkvg", m, call), gemms["fb"])
+            self._stages[m] = (stage, packed)
+        return self._stages[m]
+
+    def _gemm(self, role: str, m: int, call: GemmCall) -> Gemm:
         provider = self.provider(role, m)
-        try:
-            provider.run(role, x, w, out)
-        except Exception as exc:
-            if provider.name == "torch" or self.plan.step(m).provider(role) != AUTO or dispatch.is_forced(role):
-                raise
-            self._drop(provider, f"{type(exc).__name__}: {exc}")
-            self._run(role, x, w, out)
+        return Gemm(role, provider, provider.launcher(call))
 
-    def _drop(self, provider: GemmProvider, reason: str) -> None:
-        """Mark ``provider`` broken (one warning) and forget every choice of it here, so the next call selects
-        again; automatic selection never picks it again in any layer."""
-        dispatch.mark_broken(provider, reason)
+    def _trailing_provider(self, m: int, gemms: dict[str, Gemm]) -> GemmProvider | None:
+        """The provider that runs an overlapped step's side chain behind its own QKVG launch on one stream (where
+        the host does not allow a fork): the one serving all three GEMMs, if it can; else ``None`` and the side
+        chain runs after QKVG."""
+        provider = gemms["qkvg"].provider
+        if any(gemm.provider is not provider for gemm in gemms.values()):
+            return None
+        calls = {role: self.gemm_call(role, m) for role in ROLES}
+        if dispatch.broken_reason(provider.name) is not None or provider.why_not_trailing(calls) is not None:
+            return None
+        try:
+            provider.prepare_trailing(calls)
+        except Exception as exc:
+            dispatch.mark_broken(provider, f"trailing side chain: prepare failed: {type(exc).__name__}: {exc}")
+            return None
+        return provider
+
+    def _recover(self, failed: LaunchFailed, m: int) -> None:
+        """After a launch failed: re-raise where the provider was forced (or is torch, the last resort), else mark
+        it broken (one warning) and forget every stage that uses it, so the next attempt selects again."""
+        provider, what, cause = failed.provider, failed.what, failed.__cause__
+        forced = what in ROLES and (self.plan.step(m).provider(what) != AUTO or dispatch.is_forced(what))
+        if provider.name == "torch" or forced:
+            raise cause
+        dispatch.mark_broken(provider, f"{what}: {type(cause).__name__}: {cause}")
         self._chosen = {k: v for k, v in self._chosen.items() if v is not provider}
-        self._chained = {m: v for m, v in self._chained.items() if v is not provider}
-        self._trailing = {m: v for m, v in self._trailing.items() if v is not provider}
+        self._stages = {k: pair for k, pair in self._stages.items() if provider not in pair[0].providers()}
+
+
+def _validate_output(name: str, buf: torch.Tensor, m: int, cols: int, x: torch.Tensor) -> None:
+    if tuple(buf.shape) != (m, cols):
+        raise ValueError(f"{name}: shape {tuple(buf.shape)} != expected ({m}, {cols})")
+    if buf.dtype != x.dtype or buf.device != x.device:
+        raise ValueError(f"{name}: {buf.dtype} on {buf.device} != x's {x.dtype} on {x.device}")
+    if not buf.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got stride {buf.stride()}")

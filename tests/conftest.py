@@ -43,9 +43,12 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def kda_log():
-    """Records of the ``kda_backend`` logger (which does not propagate to the root logger)."""
+    """Records of the ``kda_backend`` logger (which does not propagate to the root logger), DEBUG included."""
     handler = _Records()
     logger = get_logger()
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -1,4 +1,4 @@
-"""On the GPU: CuTe DSL kernels vs the fp32 reference, determinism, and overlapped and chained CUDA-graph replay."""
+"""On the GPU: CuTe DSL kernels vs the fp32 reference, determinism, and overlapped CUDA-graph replay."""
 
 import pytest
 import torch
@@ -34,20 +34,21 @@ def _assert_close_to_reference(outs, x, w):
         assert err <= 1e-2, (name, err)
 
 
-@pytest.mark.parametrize("chained", [False, True], ids=["sequential", "chained"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16], ids=lambda t: f"tp{t}")
-def test_cute_projection_matches_reference(tp, packed, chained, monkeypatch):
+def test_cute_projection_matches_reference(tp, packed, overlap, monkeypatch):
+    """Eager: an overlapped step runs its side chain trailing QKVG on one stream."""
     monkeypatch.setenv("KDA_BACKEND_PROVIDER", "cute")
     w = _weights(tp, packed, seed=tp)
-    proj = KDAProjection(w, Plan.uniform(64, Step(chained=True)) if chained else None)
+    proj = KDAProjection(w, Plan.uniform(64, Step(overlap=overlap)))
     g = w.geometry
     for m in MS:
         x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
         outs = proj(x, *_poisoned(m, g))
         assert all(proj.provider(r, m).name == "cute" for r in ("qkvg", "fab", "fb"))
-        if chained:
-            assert proj.chained_provider(m).name == "cute"
+        if overlap:
+            assert proj.stage(m).trailing.name == "cute"
             assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
         _assert_close_to_reference(outs, x, w)
         again = proj(x, *_poisoned(m, g))
@@ -66,16 +67,15 @@ def _layers(n, packed):
     return [_weights(8, packed, seed=100 + i) for i in range(n)]
 
 
-@pytest.mark.parametrize("step", [Step(overlap=True), Step(chained=True)], ids=["overlap", "chained"])
 @pytest.mark.parametrize("m", [1, 4, 12, 16])
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
-def test_graph_replay_equals_eager_bitwise(m, packed, step):
-    """Several layers sharing one aux stream (overlapped) or one stream's chain counters (chained), captured;
-    replays with new inputs equal eager."""
-    _check_replay_equals_eager(m, packed, step)
+def test_graph_replay_equals_eager_bitwise(m, packed):
+    """Several overlapped layers sharing one aux stream, captured; replays with new inputs equal eager (where the
+    side chain trails QKVG on one stream)."""
+    _check_replay_equals_eager(m, packed, Step(overlap=True))
 
 
-# Tactics the autotuner chose on an H200 (benchmarks/RESULTS.md, 2026-11-30 eighth session): one token's QKVG loads
+# Tactics the autotuner chose on an H200 (benchmarks/RESULTS.md): one token's QKVG loads
 # activations by bulk copies; 16 tokens' QKVG runs 48-row CTAs beside 126 split-K F_A/beta CTAs.
 TUNED_TP8 = {
     ("qkvg", 6144, 7168, 1): Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True),
@@ -105,7 +105,7 @@ def _check_replay_equals_eager(m, packed, step):
     for p in projs:
         p.prepare([m])
         if step.overlap:  # eager cannot fork: the side chain trails QKVG on one stream instead
-            assert p.trailing_provider(m) is not None
+            assert p.stage(m).trailing is not None
     g = weights[0].geometry
     x_static = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
 
@@ -142,13 +142,14 @@ def test_overlap_forks_only_inside_capture():
     proj = KDAProjection(w, Plan.uniform(16, Step(overlap=True)))
     proj.prepare([4])
     calls = []
-    real = proj._scheduler.run
+    scheduler = proj.stage(4).scheduler
+    real = scheduler.run
 
     def spy(main, side, aux):
         calls.append(aux)
         real(main, side, aux)
 
-    proj._scheduler.run = spy
+    scheduler.run = spy
     x = torch.randn(4, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
     proj(x)
     assert calls == []
@@ -173,7 +174,7 @@ def test_aux_stream_aliasing_the_capture_stream_does_not_fork(kda_log):
     x = torch.randn(4, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
     eager = proj(x)
     forks = []
-    proj._scheduler.run = lambda main, side, aux: forks.append(aux)
+    proj.stage(4).scheduler.run = lambda main, side, aux: forks.append(aux)
     shared.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=shared):

@@ -16,7 +16,7 @@ G = preset("kimi-k3", 8)
 KEY = plan_store.plan_key(G, "NVIDIA H200", (9, 0), torch.bfloat16)
 PLAN = Plan(
     steps={1: Step(True, "cute", "cute", "cute"), 2: Step(False, "torch", "cute", "cute"),
-           3: Step(chained=True, qkvg="cute", fab="cute", fb="cute")},
+           3: Step(True, "torch", "torch", "torch")},
     source="autotune",
     fallback=SEQUENTIAL_TORCH,
 )
@@ -27,13 +27,11 @@ TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16,
 def test_plan_json_round_trip_and_lookup():
     again = Plan.from_json(json.loads(json.dumps(PLAN.to_json())))
     assert again == PLAN
-    assert again.step(1).overlap and again.step(3).chained and again.step(4) == SEQUENTIAL_TORCH
-    assert [again.step(m).mode for m in (1, 2, 3)] == ["overlap", "sequential", "chained"] and again.max_m == 3
-    assert "M 3: chained    qkvg=cute" in again.describe()
+    assert again.step(1).overlap and again.step(3).qkvg == "torch" and again.step(4) == SEQUENTIAL_TORCH
+    assert [again.step(m).mode for m in (1, 2, 3)] == ["overlap", "sequential", "overlap"] and again.max_m == 3
+    assert "M 3: overlap    qkvg=torch" in again.describe()
     with pytest.raises(ValueError, match="unknown fields"):
         Step.from_json({"overlap": True, "qkv": "x"})
-    with pytest.raises(ValueError, match="overlapped or chained, not both"):
-        Step.from_json({"overlap": True, "chained": True})
 
 
 def test_key_names_everything_that_changes_the_answer():
@@ -113,13 +111,13 @@ def test_forced_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_PLAN", "sequential")
     assert not forced_plan()[0].step(1).overlap
     monkeypatch.setenv("KDA_BACKEND_PLAN", "chained")
-    chained = forced_plan()[0]
-    assert chained.step(16).mode == "chained" and chained.step(17) == SEQUENTIAL_TORCH
+    with pytest.raises(ValueError, match="not 'sequential', 'overlap' or a readable plan file"):
+        forced_plan()
     path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(path))
     assert forced_plan() == (PLAN, TACTICS)
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(tmp_path / "missing.json"))
-    with pytest.raises(ValueError, match="not 'sequential', 'overlap', 'chained' or a readable plan file"):
+    with pytest.raises(ValueError, match="not 'sequential', 'overlap' or a readable plan file"):
         forced_plan()
 
 

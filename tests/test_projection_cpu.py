@@ -1,5 +1,7 @@
 """The projection stage through the public API on the CPU (torch provider), and provider dispatch."""
 
+import logging
+
 import pytest
 import torch
 
@@ -144,7 +146,7 @@ def test_dispatch_walks_priorities_and_logs_rejections_once(kda_log):
         _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
     assert proj.provider("qkvg", 4) is picky and proj.provider("fab", 4).name == "torch"
     assert picky.calls == ["qkvg"] * 3
-    rejections = [m for m in kda_log.messages() if "picky" in m]
+    rejections = [m for m in kda_log.messages(logging.DEBUG) if "picky" in m and "skipped" in m]
     assert len(rejections) == 2 and all("serves qkvg only" in m for m in rejections)
 
 
@@ -155,7 +157,7 @@ def test_failing_automatic_provider_falls_back_with_one_warning(kda_log):
     for _ in range(2):
         _check_against_reference(proj, torch.randn(3, TINY.hidden_size).bfloat16())
     assert picky.calls == ["qkvg"]
-    assert dispatch.broken_reason("picky") == "RuntimeError: launch failed"
+    assert dispatch.broken_reason("picky") == "qkvg: RuntimeError: launch failed"
     warnings = [m for m in kda_log.messages() if "disabled" in m]
     assert len(warnings) == 1 and "picky" in warnings[0]
 
@@ -259,10 +261,11 @@ def test_forced_provider_that_fails_to_compile_raises(monkeypatch):
         KDAProjection(_weights(TINY))(torch.randn(2, TINY.hidden_size).bfloat16())
 
 
-class _Chainer(GemmProvider):
-    """Serves every GEMM and the chained stage with torch on the CPU, recording what it ran."""
+class _Trailer(GemmProvider):
+    """Serves every GEMM and the overlapped side chain behind its own QKVG launch (torch on the CPU), recording
+    what it ran."""
 
-    name, priority = "chainer", 50
+    name, priority = "trailer", 60
 
     def __init__(self, fail=False):
         self.fail, self.calls = fail, []
@@ -273,47 +276,6 @@ class _Chainer(GemmProvider):
     def run(self, role, x, w, out):
         self.calls.append(role)
         torch.mm(x, w.t(), out=out)
-
-    def why_not_chained(self, calls):
-        assert set(calls) == {"qkvg", "fab", "fb"} and calls["fb"].x_row_stride == calls["fab"].n
-
-    def run_chained(self, x, weights, qkvg, fab, g1):
-        self.calls.append("chained")
-        if self.fail:
-            raise RuntimeError("chain broke")
-        torch.mm(x, weights["qkvg"].t(), out=qkvg)
-        torch.mm(x, weights["fab"].t(), out=fab)
-        torch.mm(fab[:, : weights["fb"].shape[1]], weights["fb"].t(), out=g1)
-
-
-def test_chained_step_runs_the_providers_chained_stage():
-    chainer = _Chainer()
-    register_plugin(_Plugin(chainer), "chainer")
-    proj = KDAProjection(_weights(TINY, packed=True), Plan.uniform(8, Step(chained=True)))
-    proj.prepare([4])
-    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert chainer.calls == ["chained"] and proj.chained_provider(4) is chainer
-
-
-def test_chained_step_without_a_chaining_provider_runs_sequentially_with_one_warning(kda_log):
-    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(chained=True)))
-    for m in (2, 3):
-        _check_against_reference(proj, torch.randn(m, TINY.hidden_size).bfloat16())
-        assert proj.chained_provider(m) is None
-    warnings = [m for m in kda_log.messages() if "no provider can run the chained stage" in m]
-    assert len(warnings) == 1 and "torch: provider 'torch' has no chained stage" in warnings[0]
-
-
-def test_plan_naming_a_provider_without_chained_stage_raises():
-    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(chained=True, qkvg="torch")))
-    with pytest.raises(ValueError, match="plan provider 'torch' cannot run the chained stage at M=2: provider 'torch'"):
-        proj.prepare([2])
-
-
-class _Trailer(_Chainer):
-    """Also runs the overlapped side chain behind its own QKVG launch (torch on the CPU), recording it."""
-
-    name, priority = "trailer", 60
 
     def why_not_trailing(self, calls):
         return None
@@ -334,28 +296,41 @@ def test_overlapped_step_without_fork_trails_the_side_chain_behind_qkvg():
     proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True)))
     proj.prepare([4])
     _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert trailer.calls == ["qkvg", "trailing"] and proj.trailing_provider(4) is trailer
+    assert trailer.calls == ["qkvg", "trailing"] and proj.stage(4).trailing is trailer
     mixed = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True, fab="torch", fb="torch")))
     _check_against_reference(mixed, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert mixed.trailing_provider(4) is None and trailer.calls[2:] == ["qkvg"]
+    assert mixed.stage(4).trailing is None and trailer.calls[2:] == ["qkvg"]
 
 
-@pytest.mark.parametrize(
-    "provider_cls, step, reason, calls",
-    [
-        (_Chainer, Step(chained=True), "chained stage: RuntimeError: chain broke", ["chained"]),
-        (_Trailer, Step(overlap=True), "trailing side chain: RuntimeError: trail broke", ["qkvg", "trailing"]),
-    ],
-    ids=["chained", "trailing"],
-)
-def test_failing_linked_launches_fall_back_with_one_warning(kda_log, provider_cls, step, reason, calls):
-    """A chained stage or trailing side chain that fails marks its provider broken (one warning): the failing layer
-    and every other then run their GEMMs without it and never ask it again."""
-    provider = provider_cls(fail=True)
+def test_failing_trailing_side_chain_falls_back_with_one_warning(kda_log):
+    """A trailing side chain that fails marks its provider broken (one warning): the failing layer and every other
+    then run their GEMMs without it and never ask it again."""
+    provider = _Trailer(fail=True)
     register_plugin(_Plugin(provider), provider.name)
     for seed in (0, 1):  # the failing layer, then another
-        proj = KDAProjection(_weights(TINY, seed=seed), Plan.uniform(8, step))
+        proj = KDAProjection(_weights(TINY, seed=seed), Plan.uniform(8, Step(overlap=True)))
         _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert dispatch.broken_reason(provider.name) == reason
-    assert provider.calls == calls
+    assert dispatch.broken_reason(provider.name) == "trailing side chain: RuntimeError: trail broke"
+    assert provider.calls == ["qkvg", "trailing"]
     assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
+
+
+@pytest.mark.parametrize("step", [Step(overlap=False), Step(overlap=True)], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "split"])
+def test_without_fb_no_fb_gemm_runs_and_the_rest_is_unchanged(step, packed):
+    """``compute_fb=False`` (the host applies F_B itself): F_B never runs, qkvg and F_A/beta equal the full call's
+    bit for bit, and the trailing side chain (which includes F_B) is not used."""
+    trailer = _Trailer()
+    register_plugin(_Plugin(trailer), trailer.name)
+    proj = KDAProjection(_weights(TINY, packed=packed), Plan.uniform(8, step))
+    x = torch.randn(5, TINY.hidden_size).bfloat16()
+    full_fab = torch.full((5, TINY.fab_rows), float("nan"), dtype=torch.bfloat16)
+    qkvg, g1, beta = proj(x, fab_out=full_fab)
+    trailer.calls.clear()
+    fab = torch.full((5, TINY.fab_rows), float("nan"), dtype=torch.bfloat16)
+    qkvg2, g1_2, beta2 = proj(x, fab_out=fab, compute_fb=False)
+    assert g1_2 is None and "fb" not in trailer.calls and "trailing" not in trailer.calls
+    assert torch.equal(qkvg, qkvg2) and torch.equal(fab, full_fab) and torch.equal(beta, beta2)
+    assert beta2.data_ptr() == fab[:, TINY.head_dim :].data_ptr()
+    with pytest.raises(ValueError, match="g1_out: given with compute_fb=False"):
+        proj(x, g1_out=torch.empty(5, TINY.local_width, dtype=torch.bfloat16), compute_fb=False)

@@ -8,19 +8,23 @@ Roles of the projection stage (shapes from :class:`kda_backend.geometry.KDAGeome
 
 A provider answers :meth:`GemmProvider.why_not` per call (``None`` = supported) so dispatch can log a precise
 reason, and :meth:`GemmProvider.run` writes into a caller-provided output (no allocation inside CUDA graphs).
-A provider may also serve the whole stage chained (:meth:`GemmProvider.run_chained`): QKVG and F_A/beta in one
-launch, F_B in a second that waits only for F_A/beta's output; and the overlapped side chain on QKVG's own stream
-(:meth:`GemmProvider.run_trailing`), where the host does not allow a fork.
+The projection binds one :meth:`GemmProvider.launcher` per role and M, so per-call work is only the launch. A
+provider may also run the overlapped side chain on QKVG's own stream (:meth:`GemmProvider.run_trailing`), where
+the host does not allow a fork.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 ROLES = ("qkvg", "fab", "fb")
+
+# ``launcher(x [M, K], w [N, K], out [M, N])``: one GEMM with everything that depends only on its call resolved.
+Launcher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,12 @@ class GemmProvider(abc.ABC):
     def prepare(self, call: GemmCall) -> None:
         """Compile or load whatever ``call`` needs; called before CUDA-graph capture, never inside it."""
 
+    def launcher(self, call: GemmCall) -> Launcher:
+        """A callable ``(x, w, out)`` computing ``out = x @ w.T`` for operands shaped and strided as ``call`` says,
+        with whatever depends only on ``call`` resolved once (after :meth:`prepare`). The default calls :meth:`run`."""
+        role = call.role
+        return lambda x, w, out: self.run(role, x, w, out)
+
     def why_not_trailing(self, calls: dict[str, GemmCall]) -> str | None:
         """``None`` if this provider can run the side chain trailing its own QKVG launch for ``calls``, else why not."""
         return f"provider {self.name!r} has no trailing side chain"
@@ -85,21 +95,6 @@ class GemmProvider(abc.ABC):
         ``fab = x @ W_fab.T``, then ``g1 = fab[:, :D] @ W_fb.T``, bit for bit what :meth:`run` computes for them
         (the forked side chain), without a second stream. ``weights`` by role."""
         raise NotImplementedError(f"provider {self.name!r} has no trailing side chain")
-
-    def why_not_chained(self, calls: dict[str, GemmCall]) -> str | None:
-        """``None`` if this provider can run the chained stage for ``calls`` (one per role), else why not."""
-        return f"provider {self.name!r} has no chained stage"
-
-    def prepare_chained(self, calls: dict[str, GemmCall]) -> None:
-        """As :meth:`prepare`, for the chained stage."""
-
-    def run_chained(
-        self, x: torch.Tensor, weights: dict[str, torch.Tensor], qkvg: torch.Tensor, fab: torch.Tensor,
-        g1: torch.Tensor,
-    ) -> None:
-        """The chained stage on the current stream: ``qkvg = x @ W_qkvg.T`` and ``fab = x @ W_fab.T``, then
-        ``g1 = fab[:, :D] @ W_fb.T`` (D = W_fb's columns). ``weights`` by role; outputs contiguous, written in full."""
-        raise NotImplementedError(f"provider {self.name!r} has no chained stage")
 
     def __repr__(self) -> str:
         return f"<GemmProvider {self.name} priority={self.priority}>"
@@ -116,6 +111,3 @@ def cuda_bf16_reason(call: GemmCall, majors: tuple[int, ...]) -> str | None:
         return f"dtype {call.dtype} is not bfloat16"
     return None
 
-
-class ProviderError(RuntimeError):
-    """A provider failed while preparing or running a call."""

@@ -1,0 +1,146 @@
+"""How one M runs the projection stage: built once per M by :class:`~kda_backend.projection.KDAProjection`, then
+called with operands only.
+
+- :class:`SequentialStage`: QKVG, then F_A/beta, then F_B, on the current stream.
+- :class:`PackedStage`: one GEMM over the packed ``[QKVG; FAB]`` weight, then F_B (the engines' own sequential path,
+  bit for bit); taken when the torch provider serves both big GEMMs and the caller gave no output buffers.
+- :class:`OverlappedStage`: the F_A/beta -> F_B side chain beside QKVG: forked onto the aux stream while the host
+  allows a fork, else trailing QKVG's launch on the same stream where one provider serves all three GEMMs
+  (:meth:`~kda_backend.providers.base.GemmProvider.run_trailing`), else after QKVG. The same kernels, so the same
+  bits, on every path.
+
+A stage calls its providers' launchers directly: no selection, lookup or hook call per call except the host's fork
+permission. A launcher that raises is reported as :class:`LaunchFailed`, naming its provider, so the projection can
+drop that provider and rebuild the stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import torch
+
+from kda_backend.log import warn_once
+from kda_backend.overlap import OverlapScheduler
+from kda_backend.plugins import hooks
+from kda_backend.providers.base import GemmProvider, Launcher
+from kda_backend.weights import ProjectionWeights
+
+
+class LaunchFailed(Exception):
+    """A provider's launch raised; ``__cause__`` is its exception."""
+
+    def __init__(self, provider: GemmProvider, what: str) -> None:
+        super().__init__(f"{what}: provider {provider.name!r} failed")
+        self.provider = provider
+        self.what = what
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One role's provider and its bound launcher at one M."""
+
+    role: str
+    provider: GemmProvider
+    launch: Launcher
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        try:
+            self.launch(x, w, out)
+        except Exception as exc:
+            raise LaunchFailed(self.provider, self.role) from exc
+
+
+@dataclasses.dataclass
+class SequentialStage:
+    """QKVG, F_A/beta and F_B one after another on the current stream."""
+
+    qkvg: Gemm
+    fab: Gemm
+    fb: Gemm
+    mode = "sequential"
+
+    def providers(self) -> set[GemmProvider]:
+        return {self.qkvg.provider, self.fab.provider, self.fb.provider}
+
+    def run(
+        self, x: torch.Tensor, w: ProjectionWeights, qkvg: torch.Tensor, fab: torch.Tensor, g1: torch.Tensor | None
+    ) -> None:
+        """``qkvg [M, 4hD]``, ``fab [M, fab_rows]`` and ``g1 [M, hD]`` (``None``: no F_B) written in full."""
+        self.qkvg(x, w.w_qkvg, qkvg)
+        run_side_chain(self.fab, self.fb, x, w, fab, g1)
+
+
+@dataclasses.dataclass
+class PackedStage:
+    """One GEMM over the packed weight ``[packed_rows, hidden]`` into ``out [M, packed_rows]``, then F_B."""
+
+    packed: Gemm
+    fb: Gemm
+    mode = "sequential"
+
+    def providers(self) -> set[GemmProvider]:
+        return {self.packed.provider, self.fb.provider}
+
+    def run(self, x: torch.Tensor, w: ProjectionWeights, out: torch.Tensor, g1: torch.Tensor | None) -> None:
+        self.packed(x, w.packed, out)
+        if g1 is not None:
+            self.fb(out[:, w.geometry.qkvg_rows : w.geometry.qkvg_rows + w.geometry.head_dim], w.w_fb, g1)
+
+
+@dataclasses.dataclass
+class OverlappedStage(SequentialStage):
+    """The side chain beside QKVG: forked where the host allows, else trailing QKVG's launch, else after it.
+
+    :param trailing: the provider serving all three GEMMs when it can trail the side chain behind its own QKVG
+        launch on one stream, else ``None``.
+    :param aux_stream: the fork's stream (``None``: ask the host on the first fork).
+    """
+
+    trailing: GemmProvider | None = None
+    aux_stream: torch.cuda.Stream | None = None
+    scheduler: OverlapScheduler = dataclasses.field(default_factory=OverlapScheduler)
+    mode = "overlap"
+
+    def providers(self) -> set[GemmProvider]:
+        return super().providers() | ({self.trailing} if self.trailing is not None else set())
+
+    def run(
+        self, x: torch.Tensor, w: ProjectionWeights, qkvg: torch.Tensor, fab: torch.Tensor, g1: torch.Tensor | None
+    ) -> None:
+        aux = self._fork_stream(x.device) if x.device.type == "cuda" else None
+        if aux is not None:
+            self.scheduler.run(
+                lambda: self.qkvg(x, w.w_qkvg, qkvg), lambda: run_side_chain(self.fab, self.fb, x, w, fab, g1), aux
+            )
+            return
+        self.qkvg(x, w.w_qkvg, qkvg)
+        if self.trailing is not None and g1 is not None:
+            try:
+                self.trailing.run_trailing(x, {"fab": w.w_fab, "fb": w.w_fb}, fab, g1)
+            except Exception as exc:
+                raise LaunchFailed(self.trailing, "trailing side chain") from exc
+            return
+        run_side_chain(self.fab, self.fb, x, w, fab, g1)
+
+    def _fork_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The aux stream when the host allows a fork now, else ``None``."""
+        if not hooks.fork_allowed(device):
+            return None
+        if self.aux_stream is None:
+            self.aux_stream = hooks.aux_stream(device)
+        if self.aux_stream == torch.cuda.current_stream(device):
+            # torch hands out pooled streams round-robin, so a host's aux stream can alias the capture stream.
+            warn_once("aux-is-current", f"the aux stream {self.aux_stream} is the current stream: the side chain "
+                      "runs on it without a fork (the same kernels, same results)")
+            return None
+        return self.aux_stream
+
+
+def run_side_chain(
+    fab_gemm: Gemm, fb_gemm: Gemm, x: torch.Tensor, w: ProjectionWeights, fab: torch.Tensor, g1: torch.Tensor | None
+) -> None:
+    """``fab = x @ W_fab.T``, then (unless ``g1`` is ``None``) ``g1 = fab[:, :D] @ W_fb.T``."""
+    fab_gemm(x, w.w_fab, fab)
+    if g1 is not None:
+        fb_gemm(fab[:, : w.geometry.head_dim], w.w_fb, g1)
+
