@@ -158,7 +158,8 @@ def render_table(results: dict[str, Any]) -> str:
         mode = f"{MODE_LABELS[step.mode]} {step.qkvg}/{step.fab}/{step.fb}"
         lines.append(
             f"{r['m']:>4} {r['seq_cublas']:>10.2f} {r['peers']:>8.2f} {r['ours']:>8.2f} {r['floor']:>7.2f} "
-            f"{r['ours'] / r['floor']:>10.3f} {r['seq_cublas'] / r['ours']:>8.3f} {r['peers'] / r['ours']:>10.3f}  {mode}"
+            f"{r['ours'] / r['floor']:>10.3f} {r['seq_cublas'] / r['ours']:>8.3f} "
+            f"{r['peers'] / r['ours']:>10.3f}  {mode}"
         )
     same = [r["m"] for r in results["rows"] if Step.from_json(r["plan"]) == SEQUENTIAL_TORCH]
     if same:

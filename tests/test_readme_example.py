@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import torch
+from numerics import assert_close
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -15,8 +16,6 @@ def test_readme_python_example_runs_and_matches_its_reference():
     scope: dict = {}
     exec(compile(blocks[0], str(README), "exec"), scope)
     for name in ("qkvg", "g1", "beta_raw"):
-        out, ref = scope[name], scope[f"ref_{name.split('_')[0]}"]
-        assert out.shape == ref.shape and not out.isnan().any(), name
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        assert err <= 1e-2, (name, err)
-    assert scope["qkvg"].shape == (4, 6144) and scope["beta_raw"].shape == (4, 12) and scope["g1"].dtype == torch.bfloat16
+        assert_close(scope[name], scope[f"ref_{name.split('_')[0]}"], name)
+    assert scope["qkvg"].shape == (4, 6144) and scope["beta_raw"].shape == (4, 12)
+    assert scope["g1"].dtype == torch.bfloat16
