@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 
 from kda_backend import dispatch
+from kda_backend.batch_sizes import engine_batch_sizes
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
 from kda_backend.kernels.skinny_gemm import (
@@ -43,7 +44,8 @@ from kda_backend.weights import ProjectionWeights
 
 COPIES = 6
 LAYERS = 24
-DEFAULT_MS = tuple(range(1, 17)) + (24, 32, 48, 64, 96, 128, 192, 256)
+# Every batch size either engine captures by default (a plan answers between them by the next larger tuned M).
+DEFAULT_MS = engine_batch_sizes("all")
 # Representative M per tactic bucket (see skinny_gemm.tactic_bucket) for tactic tuning.
 BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 64)}
 FINALISTS = 4  # in-stage candidates timed again

@@ -6,10 +6,12 @@ with rotated weights, see :mod:`kda_backend.timing`):
 - ``seq_cublas``: sequential, one cuBLAS GEMM over the packed [QKVG; FAB] weight then F_B (vLLM's fallback path);
 - ``peers``: cuBLAS QKVG on the main stream, cuBLAS F_A/beta -> F_B on an aux stream (both engines' Hopper design);
 - ``ours``: this device's tuned plan (or whatever :func:`~kda_backend.planning.resolve_plan` gives);
+- ``vllm_native`` / ``sglang_native``: each engine's own decision at that M on this GPU (:mod:`kda_backend.native`);
 - ``qkvg_cublas`` / ``qkvg_cute`` / ``fab_cute`` / ``fb_cute``: single GEMMs alone, for the kernel report (which
   also names the CuTe tactics, so a run records what the tuner chose).
 
-The floor is weight bytes / copy bandwidth measured in the same run.
+The floor is weight bytes / copy bandwidth measured in the same run. By default every batch size either engine
+captures in CUDA graphs is measured (:mod:`kda_backend.batch_sizes`).
 """
 
 from __future__ import annotations
@@ -22,17 +24,24 @@ from typing import Any
 
 import torch
 
+from kda_backend import native
 from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, make_weight_copies
+from kda_backend.batch_sizes import engine_batch_sizes, spans
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.skinny_gemm import Tactic, output_tiles
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
-from kda_backend.providers.cute_provider import MAX_M as CUTE_MAX_M
 from kda_backend.providers.cute_provider import launch
-from kda_backend.timing import copy_bandwidth, graph_time_per_layer, require_cuda
+from kda_backend.timing import copy_bandwidth, eager_time_per_call, graph_time_per_layer, require_cuda
+from kda_backend.weights import ProjectionWeights
 
-DEFAULT_MS = tuple(range(1, 17)) + (24, 32, 64, 128, 256)
+# Every batch size either engine captures by default, up to the largest M plans are tuned for.
+DEFAULT_MS = engine_batch_sizes("all")
+# M at which the single GEMMs are also timed alone (the kernel table): the CuTe kernels' range.
+KERNEL_MS = (*range(1, 17), 24, 32, 48, 64)
+# M at which eager calls (no graph: an engine's eager mode) are timed too.
+EAGER_MS = tuple(range(1, 17))
 LAYER_MS = (1, 4, 16)
 # The stage variants are timed in alternation, this many rounds, and each reports its median, so the ratios compare
 # columns measured under the same clocks. Where ours runs the very same path as a baseline (sequential packed
@@ -48,6 +57,16 @@ def _stage_time(weights, plan: Plan, m: int) -> float:
     g = weights[0].geometry
     xs = [torch.randn(m, g.hidden_size, device=weights[0].device, dtype=torch.bfloat16) for _ in weights]
     return graph_time_per_layer(lambda i: projs[i % len(projs)](xs[i % len(xs)]), layers=LAYERS)
+
+
+def _eager_times(weights, plan: Plan, m: int) -> tuple[float, float]:
+    """Eager seconds per call and host seconds per call of the stage (layers rotating over the weight copies)."""
+    projs = [KDAProjection(w, plan) for w in weights]
+    for p in projs:
+        p.prepare([m])
+    g = weights[0].geometry
+    xs = [torch.randn(m, g.hidden_size, device=weights[0].device, dtype=torch.bfloat16) for _ in weights]
+    return eager_time_per_call(lambda i: projs[i % len(projs)](xs[i % len(xs)]))
 
 
 def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, Tactic | None, int | None]:
@@ -105,20 +124,42 @@ def run_bench(
     device = require_cuda()
     bandwidth = copy_bandwidth()
     weights = make_weight_copies(geometry, device)
-    plan = resolve_plan(geometry, device)
+    plan = resolve_plan(geometry, device, batch_sizes=ms)
     floor_us = geometry.weight_bytes() / bandwidth * 1e6
     qkvg_floor_us = geometry.qkvg_rows * geometry.hidden_size * 2 / bandwidth * 1e6
+    capability = torch.cuda.get_device_capability(device)
+    split = [ProjectionWeights.from_split(w.w_qkvg, w.w_fab, w.w_fb, w.geometry) for w in weights]
     rows = []
     for m in ms:
         row: dict[str, Any] = {"m": m, "floor": floor_us, "qkvg_floor": qkvg_floor_us, "plan": plan.step(m).to_json()}
-        variants = {"seq_cublas": Plan(fallback=SEQUENTIAL_TORCH), "peers": Plan(fallback=PEERS), "ours": plan}
-        samples: dict[str, list[float]] = {name: [] for name in variants}
+        variants = {
+            "seq_cublas": (SEQUENTIAL_TORCH, weights),
+            "peers": (PEERS, weights),
+            "ours": (plan.step(m), weights),
+            "vllm_native": (native.vllm_step(geometry, m, capability), weights),
+            "sglang_native": (native.sglang_step(m, capability), split),
+        }
+        # Variants that run the very same stage are timed once (the layout matters only to sequential cuBLAS,
+        # which is one GEMM over packed weights and two over split ones).
+        same: dict[tuple, str] = {}
+        for name, (step, ws) in variants.items():
+            same.setdefault((step, ws is split and step == SEQUENTIAL_TORCH), name)
+        samples: dict[str, list[float]] = {name: [] for name in same.values()}
         for _ in range(STAGE_ROUNDS):
-            for name, variant in variants.items():
-                samples[name].append(_stage_time(weights, variant, m) * 1e6)
-        row |= {name: statistics.median(times) for name, times in samples.items()}
-        row["qkvg_cublas"] = _gemm_time(weights, "qkvg", m, "torch")[0] * 1e6
-        if m <= CUTE_MAX_M:
+            for name in samples:
+                step, ws = variants[name]
+                variant = plan if name == "ours" else Plan(fallback=step, source=name)
+                samples[name].append(_stage_time(ws, variant, m) * 1e6)
+        for name, (step, ws) in variants.items():
+            row[name] = statistics.median(samples[same[(step, ws is split and step == SEQUENTIAL_TORCH)]])
+        row["vllm_step"] = variants["vllm_native"][0].to_json()
+        row["sglang_step"] = variants["sglang_native"][0].to_json()
+        if m in EAGER_MS:
+            for name, variant in (("ours", plan), ("seq_cublas", Plan(fallback=SEQUENTIAL_TORCH))):
+                wall, host = _eager_times(weights, variant, m)
+                row[f"eager_{name}"], row[f"host_{name}"] = wall * 1e6, host * 1e6
+        if m in KERNEL_MS:
+            row["qkvg_cublas"] = _gemm_time(weights, "qkvg", m, "torch")[0] * 1e6
             for role in ("qkvg", "fab", "fb"):
                 t, tactic, ctas = _gemm_time(weights, role, m, "cute")
                 row[f"{role}_cute"], row[f"{role}_tactic"], row[f"{role}_ctas"] = t * 1e6, tactic.key(), ctas
@@ -150,24 +191,25 @@ def render_table(results: dict[str, Any]) -> str:
     lines = [
         f"{results['device']}  copy bandwidth {results['copy_bandwidth_tbs']:.3f} TB/s  "
         f"floor {results['rows'][0]['floor']:.2f} us  plan: {results['plan_source']}",
-        f"{'M':>4} {'seq_cuBLAS':>10} {'peers':>8} {'ours':>8} {'floor':>7} {'ours/floor':>10} "
-        f"{'seq/ours':>8} {'peers/ours':>10}  plan",
+        f"{'M':>4} {'seq_cuBLAS':>10} {'peers':>8} {'vllm':>8} {'sglang':>8} {'ours':>8} {'floor':>7} "
+        f"{'ours/floor':>10} {'seq/ours':>8} {'ours/native':>11}  plan",
     ]
     for r in results["rows"]:
         step = Step.from_json(r["plan"])
         mode = f"{MODE_LABELS[step.mode]} {step.qkvg}/{step.fab}/{step.fb}"
+        natives = [r[k] for k in ("vllm_native", "sglang_native") if k in r]
+        cells = [f"{r[k]:>8.2f}" if k in r else f"{'-':>8}" for k in ("vllm_native", "sglang_native")]
+        ratio = f"{r['ours'] / min(natives):>11.3f}" if natives else f"{'-':>11}"
         lines.append(
-            f"{r['m']:>4} {r['seq_cublas']:>10.2f} {r['peers']:>8.2f} {r['ours']:>8.2f} {r['floor']:>7.2f} "
-            f"{r['ours'] / r['floor']:>10.3f} {r['seq_cublas'] / r['ours']:>8.3f} "
-            f"{r['peers'] / r['ours']:>10.3f}  {mode}"
+            f"{r['m']:>4} {r['seq_cublas']:>10.2f} {r['peers']:>8.2f} {' '.join(cells)} {r['ours']:>8.2f} "
+            f"{r['floor']:>7.2f} {r['ours'] / r['floor']:>10.3f} {r['seq_cublas'] / r['ours']:>8.3f} {ratio}  {mode}"
         )
+    lines.append("ours/native: ours over the faster of vllm_native and sglang_native (below 1: ours is faster)")
+    if "vllm_native" in results["rows"][0]:
+        lines.append(native.describe())
     same = [r["m"] for r in results["rows"] if Step.from_json(r["plan"]) == SEQUENTIAL_TORCH]
     if same:
-        # Both columns then time one code path (the seq_cuBLAS variant is a plan of this very step), so their ratio
-        # shows only how much one path varies between rounds.
-        lines.append(
-            f"M = {_spans(same)}: ours runs seq_cuBLAS's own step; seq/ours there is round-to-round noise"
-        )
+        lines.append(f"M = {spans(same)}: ours runs seq_cuBLAS's own step (one timing serves both)")
     lines.append("")
     lines.append(
         f"{'M':>4} {'qkvg_cute':>9} {'%copyBW':>8} {'qkvg_cuBLAS':>11} {'cuBLAS/cute':>11} "
@@ -182,6 +224,14 @@ def render_table(results: dict[str, Any]) -> str:
             f"{r['fab_cute']:>8.2f} {r['fab_ctas']:>8} {r['fb_cute']:>7.2f} {r['fb_ctas']:>7}"
         )
     lines += _tactic_lines(results["rows"])
+    eager = [r for r in results["rows"] if "eager_ours" in r]
+    if eager:
+        lines += ["", "eager calls (no graph; us per call, host = time to issue one call)",
+                  f"{'M':>4} {'ours':>8} {'seq_cuBLAS':>10} {'ours/seq':>8} {'host ours':>9} {'host seq':>8}"]
+        for r in eager:
+            lines.append(f"{r['m']:>4} {r['eager_ours']:>8.2f} {r['eager_seq_cublas']:>10.2f} "
+                         f"{r['eager_ours'] / r['eager_seq_cublas']:>8.3f} {r['host_ours']:>9.2f} "
+                         f"{r['host_seq_cublas']:>8.2f}")
     if results.get("layer_rows"):
         lines += ["", f"{'M':>4} {'KDA decode step':>15} {'projection':>10} {'share':>6}"]
         for r in results["layer_rows"]:
@@ -198,18 +248,7 @@ def _tactic_lines(rows: list[dict[str, Any]]) -> list[str]:
             served.setdefault(" / ".join(r[f"{role}_tactic"] for role in ("qkvg", "fab", "fb")), []).append(r["m"])
     if not served:
         return []
-    return ["CuTe tactics (qkvg / fab / fb):"] + [f"  M = {_spans(ms)}: {keys}" for keys, ms in served.items()]
-
-
-def _spans(ms: list[int]) -> str:
-    """Integers with consecutive runs joined: [1, 2, 3, 5] -> "1-3, 5"."""
-    runs: list[list[int]] = []
-    for m in ms:
-        if runs and m == runs[-1][-1] + 1:
-            runs[-1].append(m)
-        else:
-            runs.append([m])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+    return ["CuTe tactics (qkvg / fab / fb):"] + [f"  M = {spans(ms)}: {keys}" for keys, ms in served.items()]
 
 
 def write_plot(results: dict[str, Any], path: Path) -> None:
@@ -222,6 +261,7 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     rows = results["rows"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key, label in (("seq_cublas", "sequential packed cuBLAS"), ("peers", "peers: cuBLAS + aux stream"),
+                       ("vllm_native", "vLLM 0.33's own stage"), ("sglang_native", "SGLang 0.5.23's own stage"),
                        ("ours", "kda-backend plan")):
         points = [(r["m"], r[key]) for r in rows if key in r]
         if points:

@@ -43,10 +43,11 @@ def _autotune(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         return _no_cuda()
     from kda_backend import autotune, plan_store, planning
+    from kda_backend.batch_sizes import engine_batch_sizes
 
     geometry = _geometry(args)
     device = torch.device("cuda", torch.cuda.current_device())
-    ms = args.ms or tuple(m for m in autotune.DEFAULT_MS if m <= args.max_m)
+    ms = args.ms or engine_batch_sizes(args.engine, args.max_m)
     plan, tactics = autotune.autotune(geometry, device, ms, progress=print)
     plan, tactics = planning.share(plan, tactics)
     path = plan_store.save(plan_store.device_key(geometry, device, torch.bfloat16), plan, tactics)
@@ -112,9 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument("--preset", default="kimi-k3", help="model geometry preset (default kimi-k3)")
         cmd.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
-        cmd.add_argument("--ms", type=_ms, default=None, help="comma-separated token counts M")
+        cmd.add_argument("--ms", type=_ms, default=None,
+                         help="comma-separated token counts M (default: every batch size both engines capture)")
         cmd.set_defaults(func=func)
     sub.choices["autotune"].add_argument("--max-m", type=int, default=256, help="largest M to tune (default 256)")
+    sub.choices["autotune"].add_argument(
+        "--engine", choices=("vllm", "sglang", "all"), default="all",
+        help="tune the default CUDA-graph batch sizes of this engine (default: both); --ms overrides",
+    )
     sub.choices["bench"].add_argument("--out", default="bench-results", help="folder for bench.json / bench.png")
 
     plot = sub.add_parser("plot", help="render bench.png from a bench.json")

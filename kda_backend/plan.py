@@ -1,12 +1,15 @@
 """A projection plan: per token count M, overlapped or sequential, and which provider serves each GEMM.
 
-A plan has steps for the M values it was tuned for; any other M gets the plan's ``fallback`` step (by default
-sequential with providers chosen automatically by :mod:`kda_backend.dispatch`; ``"auto"`` as a provider name
-means the same).
+A plan has steps for the M values it was tuned for. An M between two tuned ones borrows the step of the next larger
+tuned M: its kernels were tuned for at least as many tokens (the CuTe tactics come in buckets of M that the larger
+M's bucket covers), and both engines pad a batch up to the next captured size anyway, so that step is the one that
+runs. Above the largest tuned M the plan's ``fallback`` step serves (by default sequential with providers chosen
+automatically by :mod:`kda_backend.dispatch`; ``"auto"`` as a provider name means the same).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
@@ -61,7 +64,17 @@ class Plan:
     fallback: Step = DEFAULT_STEP
 
     def step(self, m: int) -> Step:
-        return self.steps.get(m, self.fallback)
+        """The step for ``m`` tokens: tuned, else the next larger tuned M's, else the fallback."""
+        found = self.steps.get(m)
+        if found is not None:
+            return found
+        tuned = sorted(self.steps)
+        i = bisect.bisect_right(tuned, m)
+        return self.steps[tuned[i]] if i < len(tuned) else self.fallback
+
+    def tuned(self, m: int) -> bool:
+        """Whether the plan has a step tuned for exactly ``m`` tokens."""
+        return m in self.steps
 
     @property
     def max_m(self) -> int:
@@ -96,10 +109,12 @@ class Plan:
             run.append(m)
         if run:
             lines.append(_describe_run(run, self.steps[run[-1]]))
+        if self.steps:
+            lines.append(f"{'other M':>10}: the next larger tuned M's step; above M {self.max_m}: the fallback")
         lines.append(_describe_run([], self.fallback))
         return "\n".join(lines)
 
 
 def _describe_run(ms: list[int], step: Step) -> str:
-    label = "other M" if not ms else (f"M {ms[0]}" if len(ms) == 1 else f"M {ms[0]}-{ms[-1]}")
+    label = "fallback" if not ms else (f"M {ms[0]}" if len(ms) == 1 else f"M {ms[0]}-{ms[-1]}")
     return f"{label:>10}: {step.mode:<10} qkvg={step.qkvg} fab={step.fab} fb={step.fb}"

@@ -3,7 +3,8 @@
 The key says everything that changes the answer: device name and compute capability, per-rank geometry, dtype,
 and the versions of kda-backend, torch and the CuTe DSL. A file whose key differs, or that is corrupt or
 truncated, is ignored with one warning (never a crash). Writers take an exclusive ``fcntl`` lock on a sibling
-``.lock`` file and replace the JSON with ``os.replace``, so concurrent ranks never leave a torn file.
+``.lock`` file and replace the JSON with ``os.replace``, so concurrent ranks never leave a torn file; readers take
+no lock and write nothing.
 
 File content::
 
@@ -115,8 +116,9 @@ def save(key: dict[str, Any], plan: Plan, tactics: TacticTable, folder: Path | N
 def load_file(path: Path, key: dict[str, Any] | None = None) -> tuple[Plan, TacticTable] | None:
     """Read a plan file; ``None`` (with one warning) if it is unreadable, corrupt or made for another key."""
     try:
-        with _locked(path):
-            data = json.loads(path.read_text())
+        # Writers replace the file atomically, so a reader sees a whole old or a whole new file without the lock
+        # (and never writes: a read-only cache folder serves its plans).
+        data = json.loads(path.read_text())
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a plan file of format {FORMAT}")
         if key is not None and data.get("key") != key:

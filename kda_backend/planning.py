@@ -7,11 +7,13 @@ through the ``kda_share_plan`` hook so every tensor-parallel rank runs the same 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from kda_backend import env, plan_store
+from kda_backend.batch_sizes import MAX_TUNED_M, spans
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import get_logger, warn_once
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
@@ -39,17 +41,26 @@ def forced_plan() -> tuple[Plan, TacticTable] | None:
     return loaded
 
 
-def resolve_plan(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Plan:
+def resolve_plan(
+    geometry: KDAGeometry, device: torch.device, dtype: torch.dtype = torch.bfloat16, batch_sizes: Iterable[int] = ()
+) -> Plan:
     """The plan for one rank's projection on ``device`` (installs tuned CuTe tactics as a side effect); resolved
-    once per process for each geometry, device, dtype, forced plan and cache folder."""
-    key = (geometry, str(device), dtype, env.get("KDA_BACKEND_PLAN"), str(hooks.cache_dir()))
+    once per process for each geometry, device, dtype, batch sizes, forced plan, autotune switch and cache folder.
+
+    :param batch_sizes: the token counts the host engine runs (its CUDA-graph batch sizes). With
+        ``KDA_BACKEND_AUTOTUNE=1`` a plan that lacks any of them (up to :data:`MAX_TUNED_M`) is tuned for exactly
+        those and the ones it had; otherwise the M it lacks borrow the next larger tuned M's step (said once).
+    """
+    sizes = tuple(sorted({int(m) for m in batch_sizes}))
+    key = (geometry, str(device), dtype, sizes, env.get("KDA_BACKEND_PLAN"), env.get("KDA_BACKEND_AUTOTUNE"),
+           str(hooks.cache_dir()))
     if key not in _resolved:
-        _resolved[key] = _resolve(geometry, device, dtype)
+        _resolved[key] = _resolve(geometry, device, dtype, sizes)
     return _resolved[key]
 
 
-def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype) -> Plan:
-    from kda_backend.autotune import autotune, install_tactics
+def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]) -> Plan:
+    from kda_backend.autotune import DEFAULT_MS, autotune, install_tactics
 
     found = forced_plan()
     if found is None and device.type != "cuda":
@@ -57,9 +68,11 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype) ->
     if found is None:
         key = plan_store.device_key(geometry, device, dtype)
         found = plan_store.load(key)
-        if found is None and env.flag("KDA_BACKEND_AUTOTUNE"):
-            get_logger().info("no stored plan for %s tp%d: tuning now", key["device"], geometry.tp_size)
-            found = autotune(geometry, device)
+        missing = _untuned(found[0], sizes) if found is not None else sizes
+        if (found is None or missing) and env.flag("KDA_BACKEND_AUTOTUNE"):
+            ms = sorted({*(found[0].steps if found else ()), *(m for m in sizes if m <= MAX_TUNED_M)}) or DEFAULT_MS
+            get_logger().info("tuning the plan for %s tp%d at M = %s", key["device"], geometry.tp_size, spans(ms))
+            found = autotune(geometry, device, ms)
             path = plan_store.save(key, *found)
             get_logger().info("plan stored in %s", path)
     if found is None:
@@ -71,7 +84,26 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype) ->
         found = Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH), {}
     plan, tactics = share(*found)
     install_tactics(tactics)
+    _report_coverage(plan, sizes)
     return plan
+
+
+def _untuned(plan: Plan, sizes: tuple[int, ...]) -> list[int]:
+    return [m for m in sizes if m <= MAX_TUNED_M and not plan.tuned(m)]
+
+
+def _report_coverage(plan: Plan, sizes: tuple[int, ...]) -> None:
+    """Say once which of the host's batch sizes the plan was not tuned for, and what serves them."""
+    if not plan.steps:
+        return
+    borrowed = [m for m in sizes if not plan.tuned(m) and m < plan.max_m]
+    beyond = [m for m in sizes if m > plan.max_m]
+    if borrowed:
+        get_logger().info("batch sizes M = %s were not tuned: each runs the step of the next larger tuned M "
+                          "(`kda-backend autotune --ms` or KDA_BACKEND_AUTOTUNE=1 tunes them)", spans(borrowed))
+    if beyond:
+        warn_once(f"beyond-{plan.max_m}-{beyond}", f"batch sizes M = {spans(beyond)} are above the plan's largest "
+                  f"tuned M ({plan.max_m}): they run its fallback ({plan.fallback.mode}, qkvg={plan.fallback.qkvg})")
 
 
 def share(plan: Plan, tactics: TacticTable) -> tuple[Plan, TacticTable]:

@@ -88,22 +88,39 @@ class KDAProjection:
         key = (role, m)
         if key not in self._chosen:
             call = self.gemm_call(role, m)
-            name = self.plan.step(m).provider(role)
-            forced = None if name == AUTO else name
+            named = self._named_provider(role, m, call)
             while True:
-                provider = dispatch.select(call, forced=forced)
+                provider = dispatch.select(call, forced=named)
                 try:
                     provider.prepare(call)
                     break
                 except Exception as exc:
-                    if forced is not None or dispatch.is_forced(role) or provider.name == "torch":
+                    if self._forced(role, m) or provider.name == "torch":
                         raise
                     dispatch.mark_broken(provider, f"prepare failed: {type(exc).__name__}: {exc}")
+                    named = None
             if (role, provider.name) not in _announced:
                 _announced.add((role, provider.name))
                 get_logger().info("%s GEMM [N=%d, K=%d] served by %r", role, call.n, call.k, provider.name)
             self._chosen[key] = provider
         return self._chosen[key]
+
+    def _named_provider(self, role: str, m: int, call: GemmCall) -> str | None:
+        """The provider the plan names for ``role`` at ``m``: binding where the plan was tuned for ``m``; for a step
+        borrowed from a larger M (see :meth:`Plan.step`) only where that provider serves this call, else ``None``
+        (automatic selection)."""
+        name = self.plan.step(m).provider(role)
+        if name == AUTO or self.plan.tuned(m):
+            return None if name == AUTO else name
+        provider = dispatch.provider_by_name(name)
+        if dispatch.broken_reason(name) is not None or provider.why_not(call) is not None:
+            return None
+        return name
+
+    def _forced(self, role: str, m: int) -> bool:
+        """Whether a failure of ``role``'s provider at ``m`` must raise: the environment or a plan tuned for ``m``
+        names it."""
+        return dispatch.is_forced(role) or (self.plan.tuned(m) and self.plan.step(m).provider(role) != AUTO)
 
     def stage(self, m: int) -> SequentialStage:
         """The stage serving ``m`` tokens (built and compiled on first use)."""
@@ -208,8 +225,7 @@ class KDAProjection:
         """After a launch failed: re-raise where the provider was forced (or is torch, the last resort), else mark
         it broken (one warning) and forget every stage that uses it, so the next attempt selects again."""
         provider, what, cause = failed.provider, failed.what, failed.__cause__
-        forced = what in ROLES and (self.plan.step(m).provider(what) != AUTO or dispatch.is_forced(what))
-        if provider.name == "torch" or forced:
+        if provider.name == "torch" or (what in ROLES and self._forced(what, m)):
             raise cause
         dispatch.mark_broken(provider, f"{what}: {type(cause).__name__}: {cause}")
         self._chosen = {k: v for k, v in self._chosen.items() if v is not provider}

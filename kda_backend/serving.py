@@ -25,10 +25,12 @@ def build_projection(
 
     :param weights: the layer's validated weight views.
     :param aux_stream: the stream the side chain forks onto (``None``: the ``kda_host_aux_stream`` hook's).
-    :param batch_sizes: token counts the engine will run (its CUDA-graph batch sizes).
+    :param batch_sizes: token counts the engine will run (its CUDA-graph batch sizes): the plan is tuned for them
+        where ``KDA_BACKEND_AUTOTUNE=1`` asks for it (see :func:`~kda_backend.planning.resolve_plan`).
     """
-    plan = resolve_plan(weights.geometry, weights.device, weights.dtype)
+    sizes = sorted({int(m) for m in batch_sizes})
+    plan = resolve_plan(weights.geometry, weights.device, weights.dtype, sizes)
     projection = KDAProjection(weights, plan, aux_stream=aux_stream)
     if weights.device.type == "cuda":
-        projection.prepare(sorted(set(plan.steps) | {int(m) for m in batch_sizes}) or [1])
+        projection.prepare(sorted(set(plan.steps) | set(sizes)) or [1])
     return projection

@@ -8,6 +8,7 @@ same process gives the HBM floor (weight bytes / bandwidth) that ratios are repo
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -78,3 +79,27 @@ def graph_time_per_layer(layer: Callable[[int], object], layers: int = 24, repla
         times.append(start.elapsed_time(end) / 1e3)
     del graph
     return statistics.median(times) / layers
+
+
+def eager_time_per_call(call: Callable[[int], object], calls: int = 240, rounds: int = 5) -> tuple[float, float]:
+    """Eager (no graph) seconds per call of ``call(i)`` over ``calls`` back-to-back calls, and the host's share:
+    seconds per call to issue them (the loop before the final synchronize). Medians over ``rounds``.
+
+    Where the host time per call exceeds the GPU time per call, the GPU waits for the host, as in an engine's eager
+    mode (enforce-eager, batches above the largest captured graph, warm-ups).
+    """
+    require_cuda()
+    for i in range(calls):
+        call(i)
+    torch.cuda.synchronize()
+    walls, hosts = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(calls):
+            call(i)
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+        walls.append((end - start) / calls)
+        hosts.append((issued - start) / calls)
+    return statistics.median(walls), statistics.median(hosts)

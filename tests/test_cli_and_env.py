@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kda_backend import env
-from kda_backend.cli import main
+from kda_backend.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,3 +164,46 @@ def test_broadcast_from_rank0():
     group = SimpleNamespace(world_size=4, broadcast_object=lambda obj, src: {"from": src, **obj})
     on = SimpleNamespace(model_parallel_is_initialized=lambda: True, get_tp_group=lambda: group)
     assert broadcast_from_rank0(on, plan) == {"from": 0, "plan": 1}
+
+
+def test_bench_table_compares_ours_with_each_engines_own_stage_and_reports_eager_calls():
+    from kda_backend.bench import render_table
+
+    rows = [
+        {"m": 20, "floor": 21.8, "plan": {"overlap": True, "qkvg": "cute", "fab": "cute", "fb": "cute"},
+         "seq_cublas": 35.1, "peers": 26.9, "ours": 25.0, "vllm_native": 35.1, "sglang_native": 26.9},
+        {"m": 4, "floor": 21.8, "plan": {"overlap": True, "qkvg": "cute", "fab": "cute", "fb": "cute"},
+         "seq_cublas": 29.0, "peers": 25.5, "ours": 22.0, "vllm_native": 24.0, "sglang_native": 25.5,
+         "eager_ours": 44.0, "eager_seq_cublas": 40.0, "host_ours": 20.0, "host_seq_cublas": 15.0},
+    ]
+    table = render_table({"device": "X", "copy_bandwidth_tbs": 4.2, "plan_source": "test", "rows": rows})
+    assert " 0.929 " in table  # 25.0 / min(35.1, 26.9)
+    assert " 0.917 " in table  # 22.0 / 24.0
+    assert "vllm_native: vLLM 0.33's decision per M" in table
+    assert "   4    44.00      40.00    1.100     20.00    15.00" in table
+
+
+def test_engine_batch_sizes_and_native_decisions():
+    from kda_backend import native
+    from kda_backend.batch_sizes import engine_batch_sizes, spans
+    from kda_backend.geometry import preset
+
+    vllm, sglang = engine_batch_sizes("vllm"), engine_batch_sizes("sglang")
+    assert vllm[:5] == (1, 2, 4, 8, 16) and vllm[-2:] == (248, 256)
+    assert {10, 12, 14, 44, 60, 272 - 16} <= set(sglang) and 20 not in vllm
+    assert set(engine_batch_sizes("all")) == set(vllm) | set(sglang) and max(engine_batch_sizes("all", 64)) == 64
+    with pytest.raises(ValueError, match="engine 'trt': not one of"):
+        engine_batch_sizes("trt")
+    assert spans([1, 2, 3, 5, 8, 9]) == "1-3, 5, 8-9"
+    tp8, tp4 = preset("kimi-k3", 8), preset("kimi-k3", 4)
+    assert native.vllm_step(tp8, 14, (9, 0)) == native.Step(True, "torch", "cute", "cute")
+    assert native.vllm_step(tp8, 16, (9, 0)) == native.vllm_step(tp4, 4, (9, 0)) == native.SEQUENTIAL
+    assert native.sglang_step(64, (9, 0)).overlap and not native.sglang_step(72, (9, 0)).overlap
+    assert native.sglang_step(128, (10, 0)).overlap
+
+
+def test_autotune_takes_an_engine(monkeypatch):
+    args = build_parser().parse_args(["autotune", "--engine", "sglang", "--max-m", "64"])
+    assert args.engine == "sglang" and args.max_m == 64 and args.ms is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["autotune", "--engine", "trt"])

@@ -1,6 +1,7 @@
 """Plans: serialization, the persisted store (atomic, locked, corrupt/mismatched files), resolution order."""
 
 import json
+import logging
 import multiprocessing as mp
 
 import pytest
@@ -177,3 +178,74 @@ def test_share_passes_through_host_hook():
     register_plugin(Rank0(), "rank0")
     plan, tactics = share(PLAN, TACTICS)
     assert plan.source == "rank0" and tactics == TACTICS
+
+
+def test_untuned_m_takes_the_next_larger_tuned_steps_and_the_fallback_above():
+    """Between tuned M the step of the next larger tuned M serves (both engines pad a batch up to the next captured
+    size); above the largest tuned M, the fallback."""
+    fast, mid = Step(True, "cute", "cute", "cute"), Step(True, "torch", "torch", "torch")
+    plan = Plan(steps={1: fast, 2: fast, 4: fast, 16: fast, 24: mid, 64: mid}, fallback=SEQUENTIAL_TORCH)
+    assert [plan.step(m) for m in (3, 5, 16, 17, 40, 64)] == [fast, fast, fast, mid, mid, mid]
+    assert plan.step(65) == plan.step(4096) == SEQUENTIAL_TORCH
+    assert plan.tuned(24) and not plan.tuned(20)
+    assert "next larger tuned M" in plan.describe()
+
+
+def test_borrowed_step_names_a_provider_only_where_it_serves():
+    """A step borrowed from a larger M names its provider where that provider serves this M; where it does not,
+    the choice is automatic, never an error. A tuned step's provider is binding."""
+    from kda_backend import KDAProjection, ProjectionWeights
+    from kda_backend.geometry import KDAGeometry
+    from kda_backend.reference import KDALayerWeights
+
+    g = KDAGeometry(hidden_size=64, num_heads=4, head_dim=16, tp_size=1)
+    w = KDALayerWeights.random(g, torch.Generator().manual_seed(0))
+    weights = ProjectionWeights.from_split(w.w_qkvg, w.w_fab, w.w_fb, g)
+    plan = Plan(steps={8: Step(True, "cute", "cute", "cute")}, fallback=SEQUENTIAL_TORCH)
+    proj = KDAProjection(weights, plan)
+    x = torch.randn(4, g.hidden_size).bfloat16()
+    proj(x)  # M = 4 borrows M = 8's step; the CuTe provider cannot serve on the CPU
+    assert {proj.provider(role, 4).name for role in ("qkvg", "fab", "fb")} == {"torch"}
+    with pytest.raises(ValueError, match="forced provider 'cute' cannot serve qkvg M=8"):
+        proj(torch.randn(8, g.hidden_size).bfloat16())
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """Planning as on a GPU named "Fake GPU" with a cache folder of its own; tuning records the M it was asked for
+    and answers with an overlapped step for each."""
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    key = plan_store.plan_key(G, "Fake GPU", (9, 0), torch.bfloat16)
+    monkeypatch.setattr(plan_store, "device_key", lambda g, d, t: key)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU")
+    tuned: list[list[int]] = []
+
+    def fake_autotune(geometry, device, ms=()):
+        tuned.append(list(ms))
+        return Plan(steps={m: Step(overlap=True) for m in ms}, source="autotune", fallback=SEQUENTIAL_TORCH), {}
+
+    monkeypatch.setattr("kda_backend.autotune.autotune", fake_autotune)
+    return key, tuned
+
+
+def test_autotune_at_load_tunes_exactly_the_hosts_batch_sizes(fake_gpu, monkeypatch):
+    key, tuned = fake_gpu
+    monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
+    plan = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[16, 1, 2, 8, 300])
+    assert tuned == [[1, 2, 8, 16]] and sorted(plan.steps) == [1, 2, 8, 16]
+    assert plan_store.load(key)[0] == plan  # stored, and it says which M were tuned
+    again = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 2, 8, 16])
+    assert again == plan and len(tuned) == 1
+
+
+def test_stored_plan_missing_host_batch_sizes_is_retuned_with_them_or_borrows(fake_gpu, monkeypatch, kda_log):
+    key, tuned = fake_gpu
+    plan_store.save(key, Plan(steps={1: Step(True), 16: Step(True)}, fallback=SEQUENTIAL_TORCH), {})
+    plan = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 4, 16, 24])
+    assert tuned == [] and plan.step(4) == Step(True) and plan.step(24) == SEQUENTIAL_TORCH
+    messages = kda_log.messages(logging.INFO)
+    assert any("M = 4 were not tuned" in m for m in messages)
+    assert any("M = 24 are above the plan's largest tuned M (16)" in m for m in kda_log.messages())
+    monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
+    plan = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 4, 16, 24])
+    assert tuned == [[1, 4, 16, 24]] and plan.tuned(24)
