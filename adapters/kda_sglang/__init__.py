@@ -10,7 +10,8 @@ BACKEND_NAME = "kda"
 
 
 def register() -> None:
-    """Add the ``kda`` attention backend and the KDA layer subclass unless disabled or on an untested SGLang."""
+    """Add the ``kda`` choice of ``--attention-backend`` (resolved as SGLang's default full-attention backend), the
+    KDA layer subclass and the host plugin, unless disabled or on an untested SGLang."""
     from kda_backend.engine_gate import adapter_enabled
 
     if not adapter_enabled("sglang", TESTED_VERSION):

@@ -1,7 +1,17 @@
-"""The seams kda-backend uses in SGLang 0.5.23 (see adapters/SEAMS.md)."""
+"""The seams kda-backend uses in SGLang 0.5.23 (see adapters/SEAMS.md).
+
+``--attention-backend kda`` chooses kda-backend's projection stage for the Kimi-K3 KDA layers and nothing else. In
+SGLang the flag names the full-attention (MLA) backend, and page size, KV-cache dtype checks, the Kimi-K3 defaults,
+the MLA forward method, fp8 handling and the speculative draft backend all key on that name. So the first step of
+SGLang's server-argument resolution declares ``kda`` as "no backend given": every full-attention decision is the one
+SGLang makes by default on this platform (FA3 on Hopper, TRT-LLM MLA on SM 10.x, ...), in every process, because
+they all read the resolved configuration. The operator's raw input keeps ``kda``; SGLang carries the record to every
+scheduler, where :func:`kda_selected` reads it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -9,31 +19,73 @@ import torch
 from kda_backend import hookimpl, register_plugin
 from kda_backend.engine_gate import broadcast_from_rank0
 from kda_backend.log import get_logger
-
 from kda_sglang import BACKEND_NAME
 
 HOST_PLUGIN_NAME = "sglang-host"
 LAYER_TARGET = "sglang.srt.models.kimi_k3.KimiK3DeltaAttention"
+# The first step SGLang's resolution pipeline runs (arg_groups/pipeline.py): every reader of the attention backend
+# (model overrides, page size, KV-dtype checks, speculative defaults) comes after it, even for a dummy model.
+FIRST_RESOLUTION_STEP = "handle_deprecated_dp_attention"
+RESOLUTION_SOURCE = "kda_backend"
+# Flags that share --attention-backend's choices, so they also parse `kda`; it is meaningful only as the base flag.
+SPLIT_BACKEND_FLAGS = ("prefill_attention_backend", "decode_attention_backend")
 
 
-def full_attention_backend_name(capability: tuple[int, int] | None) -> str:
-    """The backend the MLA (full-attention) layers get under ``--attention-backend kda``: FA3 on Hopper,
-    TRT-LLM MLA on Blackwell, Triton elsewhere."""
-    if capability is not None and capability[0] == 9:
-        return "fa3"
-    if capability is not None and capability[0] == 10:
-        return "trtllm_mla"
-    return "triton"
+def kda_means_platform_default(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """Wraps SGLang's first resolution step: ``attention_backend="kda"`` is declared ``None`` (no backend given)
+    before any step reads it, so SGLang resolves every full-attention setting as it would by default.
+
+    :raises ValueError: ``kda`` given to ``--prefill-attention-backend`` or ``--decode-attention-backend``.
+    """
+    for name in SPLIT_BACKEND_FLAGS:
+        if getattr(server_args, name) == BACKEND_NAME:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag} {BACKEND_NAME}: '{BACKEND_NAME}' selects kda-backend's KDA projection and is given to "
+                f"--attention-backend only; leave {flag} unset or name a full-attention backend"
+            )
+    if server_args.attention_backend == BACKEND_NAME:
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        declare_resolution(server_args, RESOLUTION_SOURCE, attention_backend=None)
+        get_logger().info(
+            "SGLang: --attention-backend %s: Kimi-K3 KDA layers project through kda-backend; full-attention "
+            "layers keep SGLang's default backend", BACKEND_NAME,
+        )
+    previous(server_args)
 
 
 def kda_selected() -> bool:
-    """Whether the running server was started with ``--attention-backend kda``."""
-    from sglang.srt.runtime_context import get_exec
+    """Whether this process serves a server started with ``--attention-backend kda``: the operator's raw input on
+    the published ``ServerArgs`` (resolution itself saw no backend given)."""
+    from sglang.srt.runtime_context import get_server_args
 
     try:
-        return get_exec().kernel.attention_backend == BACKEND_NAME
-    except (AttributeError, KeyError, RuntimeError, ValueError):  # no server published in this process
+        server_args = get_server_args()
+    except ValueError:  # nothing published in this process
         return False
+    return server_args.attention_backend == BACKEND_NAME
+
+
+def graph_token_counts() -> tuple[int, ...]:
+    """The token counts SGLang's decode CUDA graphs run a layer at: each captured batch size times the tokens per
+    request (the draft tokens a target verifies under speculative decoding, else 1); empty without decode graphs
+    (disabled, or a configuration resolved without a model, which leaves them unset)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.runtime_context import get_exec, get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_utils import resolve_num_tokens_per_req
+
+    config = get_exec().graph.cuda_graph_config
+    if config is None or config.decode.backend == Backend.DISABLED or not config.decode.bs:
+        return ()
+    decode = config.decode
+    algorithm = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
+    per_request = (
+        resolve_num_tokens_per_req(phase="target_verify", spec_algorithm=algorithm)
+        if algorithm.is_speculative() else 1
+    )
+    return tuple(sorted({bs * per_request for bs in decode.bs}))
 
 
 class SglangHost:
@@ -41,14 +93,11 @@ class SglangHost:
 
     @hookimpl
     def kda_host_fork_allowed(self, device: torch.device) -> bool:
-        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
-            is_in_breakable_cuda_graph,
-        )
-        from sglang.srt.model_executor.runner_utils import capture_mode
+        from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
 
-        # SGLang's capture mode covers its two eager warm-ups and the capture itself (its own overlap's gate);
-        # unlike SGLang's gate we stay sequential inside a breakable graph, whose eager segments replay apart.
-        return capture_mode.is_capture_mode and not is_in_breakable_cuda_graph()
+        # SGLang's own projection-overlap gate: capture mode (its two eager warm-ups and the capture) or a breakable
+        # graph. The projection joins its fork before it returns, so the fork stays inside one captured segment.
+        return get_is_capture_mode()
 
     @hookimpl
     def kda_share_plan(self, plan: dict[str, Any]) -> dict[str, Any] | None:
@@ -57,35 +106,19 @@ class SglangHost:
         return broadcast_from_rank0(parallel_state, plan)
 
 
-def _create_kda_backend(runner):
-    """``--attention-backend kda``: the MLA layers get the platform's full-attention backend; SGLang's hybrid
-    wrapper adds its KDA backend for the linear-attention layers, whose projection our layer class serves."""
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
-
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    return ATTENTION_BACKENDS[full_attention_backend_name(capability)](runner)
-
-
 def install() -> None:
-    """Idempotent: the CLI choice, the backend factory, the MLA handler, the layer REPLACE and the host plugin."""
+    """Idempotent: the CLI choice, the resolution step, the layer REPLACE and the host plugin."""
+    from sglang.srt.arg_groups import resolution_hooks
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
-    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from kda_sglang.layer import KdaBackendKimiK3DeltaAttention
 
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
-    if BACKEND_NAME not in ATTENTION_BACKENDS:
-        register_attention_backend(BACKEND_NAME)(_create_kda_backend)
-    if BACKEND_NAME not in AttentionBackendRegistry._handlers:
-        # Unknown names silently get the Triton MLA handler; ours is the delegate's.
-        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        AttentionBackendRegistry.register(
-            BACKEND_NAME, AttentionBackendRegistry.get_handler(full_attention_backend_name(capability))
-        )
+    if kda_means_platform_default not in resolution_hooks._HOOKS.get(FIRST_RESOLUTION_STEP, []):
+        resolution_hooks.register_resolution_hook(FIRST_RESOLUTION_STEP)(kda_means_platform_default)
     if not any(hook is KdaBackendKimiK3DeltaAttention for _, hook, _ in HookRegistry._hooks.get(LAYER_TARGET, [])):
         HookRegistry.register(LAYER_TARGET, KdaBackendKimiK3DeltaAttention, HookType.REPLACE)
     register_plugin(SglangHost(), HOST_PLUGIN_NAME)
-    get_logger().debug("SGLang: '%s' attention backend and KDA layer registered", BACKEND_NAME)
+    get_logger().debug("SGLang: '%s' attention-backend choice, resolution step and KDA layer registered", BACKEND_NAME)

@@ -1,12 +1,18 @@
-"""The SGLang adapter against the real sglang==0.5.23 package (CPU): plugins, CLI, registry, layer parity.
+"""The SGLang adapter against the real sglang==0.5.23 package (CPU): plugins, argument resolution, MLA dispatch,
+the KDA layer, load-time plans and parity.
 
-Runs in the nox session `sglang` (its own environment: SGLang pins torch). The layer is built by SGLang's own
-model code from a tiny Kimi-K3-shaped config on a one-rank gloo group (SGLang's `init_single_process_dist`).
+Runs in the nox session `sglang` (its own environment: SGLang pins torch). Layers are built by SGLang's own model
+code on a one-rank gloo group (SGLang's `init_single_process_dist`); platforms are emulated with SGLang's
+`override_platform`, server arguments resolved by SGLang's own `prepare_server_args` / `resolve_once` for a
+Kimi-K3 config.
 """
 
+import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +25,41 @@ from parity.checkpoint import (  # noqa: E402
     make_checkpoint, parity_input,
 )
 
-from kda_backend import plugins  # noqa: E402
+from kda_backend import GemmProvider, hookimpl, plugins, register_plugin  # noqa: E402
+from kda_backend.geometry import preset  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM = 256, 8, 32
+
+# Kimi-K3's text model with four layers (three KDA, one MLA): what SGLang's resolution reads from a checkpoint.
+K3_CONFIG = {
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "model_type": "kimi_k3",
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "kimi_linear", "architectures": ["KimiK3LinearForCausalLM"], "torch_dtype": "bfloat16",
+        "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 4, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_experts": 16,
+        "num_experts_per_token": 4, "num_shared_experts": 1, "first_k_dense_replace": 1,
+        "max_position_embeddings": 8192, "mla_use_output_gate": True,
+        "linear_attn_config": {
+            "head_dim": 128, "num_heads": 96, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True, "kda_layers": [1, 2, 3], "full_attn_layers": [4],
+        },
+    },
+}
+_CUDA = dict(is_cuda=True, is_hip=False, is_npu=False, is_xpu=False, is_musa=False, is_mps=False, is_sm110=False,
+             is_sm120=False, has_flashinfer=True)
+# What SGLang's probes answer on an H200 (CUDA >= 12.3) and a B200; `delegate` is SGLang's default for Kimi-K3 there.
+PLATFORMS = {
+    "sm90": dict(facts=dict(_CUDA, is_sm90=True, is_hopper_with_cuda_12_3=True, is_sm100=False,
+                            is_sm100_or_sm110=False, is_blackwell=False, device_sm=90, device_capability=(9, 0)),
+                 delegate="fa3"),
+    "sm100": dict(facts=dict(_CUDA, is_sm90=False, is_hopper_with_cuda_12_3=False, is_sm100=True,
+                             is_sm100_or_sm110=True, is_blackwell=True, device_sm=100, device_capability=(10, 0)),
+                  delegate="trtllm_mla"),
+}
+SPECULATIVE = {"no-spec": [], "eagle": ["--speculative-algorithm", "EAGLE"]}
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +80,36 @@ def host_registered(fresh_plugins, loaded):
     kda_sglang.register()
 
 
+@contextmanager
+def _published(server_args):
+    """``server_args`` resolved and published as a scheduler process does; the previous context comes back after."""
+    from sglang.srt.runtime_context import publish, restore_context, snapshot_context
+
+    state = snapshot_context()
+    try:
+        publish(server_args, role="scheduler")
+        yield server_args
+    finally:
+        restore_context(state)
+
+
+@pytest.fixture
+def kda_backend_selected():
+    """A scheduler of a server started with ``--attention-backend kda`` (no model: resolution stops early)."""
+    from sglang.srt.server_args import ServerArgs
+
+    with _published(ServerArgs(model_path="dummy", attention_backend="kda")):
+        yield
+
+
 _layer_count = iter(range(10_000))
 
 
 def _build_layer(seed=0, dtype=torch.bfloat16, merge=True, hidden=HIDDEN, heads=HEADS, head_dim=HEAD_DIM):
-    """SGLang's model code path: the (hooked) module attribute, constructed as the model does, weights random."""
-    import sglang.srt.models.kimi_k3 as kimi_k3
+    """SGLang's model code path: the (hooked) module attribute, constructed as the model does, weights random, then
+    ``_merge_bfa_weights`` as SGLang's ``post_load_weights`` calls it."""
     from sglang.srt.configs.kimi_linear import KimiLinearConfig
+    from sglang.srt.models import kimi_k3
 
     config = KimiLinearConfig(
         hidden_size=hidden, num_attention_heads=4, rms_norm_eps=1e-5,
@@ -69,16 +130,26 @@ def _build_layer(seed=0, dtype=torch.bfloat16, merge=True, hidden=HIDDEN, heads=
     for p in (layer.fused_qkvg_proj.weight, layer.f_a_proj.weight, layer.b_proj.weight, layer.f_b_proj.weight):
         p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5)
     if merge:
-        layer._merge_bfa_weights()  # what SGLang's post_load_weights does
+        layer._merge_bfa_weights()
     return layer
 
 
-@pytest.fixture
-def kda_backend_selected():
-    from sglang.srt.runtime_context import get_context
+def _sglang_method(layer, x, defer_f_b):
+    """SGLang's own ``forward_qkvbfg_fused`` on the same layer."""
+    from sglang.srt.models.kimi_k3 import KimiK3DeltaAttention
 
-    with get_context().override_server_args(attention_backend="kda"):
-        yield
+    return KimiK3DeltaAttention.__mro__[1].forward_qkvbfg_fused(layer, x, defer_f_b=defer_f_b)
+
+
+def _assert_same_outputs(ours, theirs, what):
+    """Bitwise: values, shapes, strides and dtypes of SGLang's ``(qkv, beta, forget_gate, g_proj)``."""
+    for name, a, b in zip(("qkv", "beta", "forget_gate", "g_proj"), ours, theirs, strict=True):
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), f"{what}: {name} layout"
+        assert not a.isnan().any(), f"{what}: {name} has NaN"
+        assert torch.equal(a, b), f"{what}: {name} differs"
+
+
+# --- plugin and registration -----------------------------------------------------------------------------------------
 
 
 def test_adapter_import_is_light():
@@ -87,49 +158,56 @@ def test_adapter_import_is_light():
     assert out.strip() == "[]"
 
 
-def test_registered_everywhere_sglang_looks():
-    import sglang.srt.models.kimi_k3 as kimi_k3
+def test_registered_where_sglang_looks_and_nowhere_else():
+    """``kda`` is a CLI choice resolved away at the first resolution step: it is no attention backend of its own,
+    so nothing in SGLang's backend registry or MLA handler table can ever see it."""
+    from kda_sglang.injection import FIRST_RESOLUTION_STEP, kda_means_platform_default
+    from kda_sglang.layer import KdaBackendKimiK3DeltaAttention
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.models import kimi_k3
     from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
 
-    from kda_sglang.layer import KdaBackendKimiK3DeltaAttention
-
     assert ATTENTION_BACKEND_CHOICES.count("kda") == 1
-    assert "kda" in ATTENTION_BACKENDS
-    assert "kda" in AttentionBackendRegistry._handlers
+    assert _HOOKS[FIRST_RESOLUTION_STEP] == [kda_means_platform_default]
+    assert "kda" not in ATTENTION_BACKENDS and "kda" not in AttentionBackendRegistry._handlers
     assert kimi_k3.KimiK3DeltaAttention is KdaBackendKimiK3DeltaAttention
     assert "sglang-host" in plugins.plugin_names()
 
 
+def test_first_resolution_step_is_the_first_pipeline_step():
+    """The step our wrapper rides on must run before every other step (all of them may read the backend)."""
+    import inspect
+
+    from kda_sglang.injection import FIRST_RESOLUTION_STEP
+    from sglang.srt.arg_groups import pipeline
+
+    source = inspect.getsource(pipeline.run_resolution_pipeline)
+    assert source.index("run_hook(") == source.index(f"run_hook({FIRST_RESOLUTION_STEP},")
+    assert "run_post_process_pass(" not in source[: source.index("run_hook(")]
+
+
 def test_register_twice_is_harmless():
     import kda_sglang
+    from kda_sglang.injection import FIRST_RESOLUTION_STEP
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     kda_sglang.register()
     kda_sglang.register()
     assert ATTENTION_BACKEND_CHOICES.count("kda") == 1
+    assert len(_HOOKS[FIRST_RESOLUTION_STEP]) == 1
     assert len(HookRegistry._hooks["sglang.srt.models.kimi_k3.KimiK3DeltaAttention"]) == 1
 
 
 def test_sglang_cli_accepts_kda():
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "kda" in proc.stdout.split("--attention-backend", 1)[1].split("--", 1)[0]
-
-
-def test_sglang_argument_parsing_takes_kda():
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(["--model-path", "dummy", "--attention-backend", "kda"])
-    assert args.attention_backend == "kda"
 
 
 @pytest.mark.parametrize(
@@ -142,14 +220,171 @@ def test_plugin_switches(env, expect):
         "from sglang.srt.plugins import load_plugins\n"
         "load_plugins()\n"
         "import sglang.srt.models.kimi_k3 as m\n"
-        "from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS\n"
-        "print(m.KimiK3DeltaAttention.__name__, 'kda' in ATTENTION_BACKENDS)\n"
+        "from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES\n"
+        "print(m.KimiK3DeltaAttention.__name__, 'kda' in ATTENTION_BACKEND_CHOICES)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     injected = "KdaBackendKimiK3DeltaAttention True" in proc.stdout
     plain = "KimiK3DeltaAttention False" in proc.stdout
     assert (injected, plain) == (expect, not expect), proc.stdout + proc.stderr[-2000:]
+
+
+# --- argument resolution: `kda` leaves every full-attention decision to SGLang's default --------------------------
+
+
+@pytest.fixture(scope="module")
+def k3_model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kimi-k3")
+    (path / "config.json").write_text(json.dumps(K3_CONFIG))
+    return str(path)
+
+
+def _resolve(model_path, platform, argv, tp=8):
+    """SGLang's launcher path: ``prepare_server_args`` then ``resolve_once``, on the emulated platform. Arguments
+    this process publishes take ``tp=1``: publishing checks them against the one-rank group this process has."""
+    from sglang.srt.runtime_context import override_platform
+    from sglang.srt.server_args import prepare_server_args
+
+    # A fixed seed: an unset one is drawn at random during resolution.
+    base = ["--model-path", model_path, "--tp", str(tp), "--device", "cuda", "--random-seed", "0"]
+    with override_platform(**PLATFORMS[platform]["facts"]):
+        server_args = prepare_server_args(base + argv)
+        server_args.resolve_once()
+    return server_args
+
+
+@pytest.mark.parametrize("spec", SPECULATIVE, ids=list(SPECULATIVE))
+@pytest.mark.parametrize("platform", PLATFORMS, ids=list(PLATFORMS))
+def test_kda_resolves_as_the_platform_default(k3_model_path, platform, spec):
+    """Every resolved field with ``--attention-backend kda`` equals SGLang's with no backend given (page size, KV
+    dtype, prefill/decode backends, speculative settings, ...); the operator's raw input records ``kda``."""
+    default = _resolve(k3_model_path, platform, SPECULATIVE[spec])
+    kda = _resolve(k3_model_path, platform, ["--attention-backend", "kda", *SPECULATIVE[spec]])
+    resolved, expected = kda.resolved_dict(), default.resolved_dict()
+    assert resolved.keys() == expected.keys()
+    assert {k: (resolved[k], expected[k]) for k in expected if resolved[k] != expected[k]} == {}
+    assert expected["attention_backend"] == PLATFORMS[platform]["delegate"]
+    assert (kda.attention_backend, default.attention_backend) == ("kda", None)
+    raw_kda, raw_default = dict(kda._raw_input), dict(default._raw_input)
+    assert raw_kda.pop("attention_backend") == "kda" and raw_default.pop("attention_backend") is None
+    assert raw_kda == raw_default
+
+
+@pytest.mark.parametrize("spec", SPECULATIVE, ids=list(SPECULATIVE))
+@pytest.mark.parametrize("platform", PLATFORMS, ids=list(PLATFORMS))
+def test_kda_resolves_as_the_delegate_named(k3_model_path, platform, spec):
+    """The same against ``--attention-backend <delegate>``. Naming it makes SGLang skip Kimi-K3's SM100 default
+    of split prefill/decode fields (which name the same backend): there the (prefill, decode) pair is compared."""
+    from sglang.srt.arg_groups.overrides import attention_backends_of
+
+    named = _resolve(k3_model_path, platform, ["--attention-backend", PLATFORMS[platform]["delegate"],
+                                               *SPECULATIVE[spec]])
+    kda = _resolve(k3_model_path, platform, ["--attention-backend", "kda", *SPECULATIVE[spec]])
+    resolved, expected = kda.resolved_dict(), named.resolved_dict()
+    split = {"prefill_attention_backend", "decode_attention_backend"}
+    assert {k: (resolved[k], expected[k]) for k in expected if k not in split and resolved[k] != expected[k]} == {}
+    pair = (PLATFORMS[platform]["delegate"],) * 2
+    assert attention_backends_of(SimpleNamespace(**resolved)) == attention_backends_of(SimpleNamespace(**expected))
+    assert attention_backends_of(SimpleNamespace(**resolved)) == pair
+
+
+def test_sm100_page_size_is_trtllm_mla_s(k3_model_path):
+    """The regression that started it: SM 10.x resolved page size 1 for `kda`, where TRT-LLM MLA needs 64."""
+    assert _resolve(k3_model_path, "sm100", ["--attention-backend", "kda"]).resolved_dict()["page_size"] == 64
+
+
+@pytest.mark.parametrize("flag", ["--prefill-attention-backend", "--decode-attention-backend"])
+def test_kda_on_a_split_backend_flag_is_refused(k3_model_path, flag):
+    with pytest.raises(ValueError, match=f"{flag} kda: .* --attention-backend only"):
+        _resolve(k3_model_path, "sm90", [flag, "kda"])
+
+
+# --- the MLA layers: SGLang's own forward-method dispatch ----------------------------------------------------------
+
+FORWARD_CASES = {  # forward mode, prefix lengths of the batch
+    "decode": ("DECODE", [0, 0]),
+    "prefill": ("EXTEND", [0, 0]),
+    "prefill-cached-prefix": ("EXTEND", [9000, 128]),
+    "target-verify": ("TARGET_VERIFY", [64, 64]),
+}
+
+
+def _mla_dispatch(server_args, platform):
+    """What ``KimiK3MLAAttention.dispatch_attn_forward_method`` picks for each forward case in a scheduler that
+    published ``server_args``, after the model runner stamped its resolved (prefill, decode) pair on the backend:
+    ``{case: (forward method, backend name the layer records)}``."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
+        resolve_attention_backend_strs,
+    )
+    from sglang.srt.models.kimi_k3 import KimiK3MLAAttention
+    from sglang.srt.runtime_context import override_platform
+
+    out = {}
+    with override_platform(**PLATFORMS[platform]["facts"]), _published(server_args):
+        pair = resolve_attention_backend_strs(
+            model_runner=SimpleNamespace(is_draft_worker=False, draft_attention_backend=None)
+        )
+        backend = SimpleNamespace(prefill_attention_backend_str=pair.prefill, decode_attention_backend_str=pair.decode)
+        # The layer's dispatch inputs, set by SGLang's own initialisers from the published config.
+        attn = KimiK3MLAAttention.__new__(KimiK3MLAAttention)
+        torch.nn.Module.__init__(attn)
+        attn.qk_rope_head_dim = K3_CONFIG["text_config"]["qk_rope_head_dim"]
+        attn.init_mha_forward()
+        attn.init_mla_forward()
+        with forward_context(ForwardContext(attn_backend=backend)):
+            for case, (mode, prefix_lens) in FORWARD_CASES.items():
+                batch = SimpleNamespace(
+                    forward_mode=getattr(ForwardMode, mode), extend_prefix_lens_cpu=prefix_lens,
+                    seq_lens_cpu=[n + 16 for n in prefix_lens], get_max_chunk_capacity=lambda: 1 << 20,
+                )
+                method = KimiK3MLAAttention.dispatch_attn_forward_method(attn, batch)
+                out[case] = (method, attn.current_attention_backend)
+    return (pair.prefill, pair.decode), out
+
+
+@pytest.mark.parametrize("spec", SPECULATIVE, ids=list(SPECULATIVE))
+@pytest.mark.parametrize("platform", PLATFORMS, ids=list(PLATFORMS))
+def test_mla_forward_method_under_kda_is_the_delegates(k3_model_path, platform, spec):
+    """The issue: `kda` reached the MLA dispatch, missed FORWARD_ABSORB_CORE_ATTENTION_BACKENDS and the handler
+    table, took a non-absorbed branch (and skipped fp8 handling keyed on "fa3"). Now the layers see the delegate."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    delegate = PLATFORMS[platform]["delegate"]
+    kda = _mla_dispatch(_resolve(k3_model_path, platform, ["--attention-backend", "kda", *SPECULATIVE[spec]], tp=1),
+                        platform)
+    for argv in ([], ["--attention-backend", delegate]):
+        assert kda == _mla_dispatch(_resolve(k3_model_path, platform, argv + SPECULATIVE[spec], tp=1), platform), argv
+    assert kda[0] == (delegate, delegate)
+    assert {name for _, name in kda[1].values()} == {delegate}
+    assert kda[1]["decode"][0] == AttnForwardMethod.MLA  # the absorbed path, with q_rope / k_rope
+
+
+# --- the KDA layer ---------------------------------------------------------------------------------------------------
+
+
+class _Recorder(GemmProvider):
+    """Serves every GEMM as the torch provider does (``torch.mm``), recording the roles it ran."""
+
+    name, priority = "recorder", 50
+
+    def __init__(self):
+        self.calls = []
+
+    def why_not(self, call):
+        return None
+
+    def run(self, role, x, w, out):
+        self.calls.append(role)
+        torch.mm(x, w.t(), out=out)
+
+    @hookimpl
+    def kda_gemm_providers(self):
+        return [self]
 
 
 def test_sglang_builds_our_subclass():
@@ -159,60 +394,177 @@ def test_sglang_builds_our_subclass():
 
 
 @pytest.mark.parametrize("defer_f_b", [False, True], ids=["f_b", "defer_f_b"])
-@pytest.mark.parametrize("m", range(1, 17))
+@pytest.mark.parametrize("m", [0, *range(1, 17), 64])
 def test_projection_bitwise_equal_to_sglang(kda_backend_selected, m, defer_f_b):
-    import sglang.srt.models.kimi_k3 as kimi_k3
-
+    """SGLang's ``forward_qkvbfg_fused`` contract in both modes: with ``defer_f_b`` (SGLang's fused decode applies
+    F_B itself) ``forget_gate`` is f_a and no F_B GEMM runs at all."""
+    recorder = _Recorder()
+    register_plugin(recorder, recorder.name)
     layer = _build_layer(seed=m)
+    assert layer._kda_projection is not None
     x = torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(100 + m)).bfloat16()
     ours = layer.forward_qkvbfg_fused(x, defer_f_b=defer_f_b)
-    assert layer._kda_projection is not None
-    theirs = kimi_k3.KimiK3DeltaAttention.__mro__[1].forward_qkvbfg_fused(layer, x, defer_f_b=defer_f_b)
-    for name, a, b in zip(("qkv", "beta", "forget_gate", "g_proj"), ours, theirs):
-        assert a.shape == b.shape and not a.isnan().any(), name
-        assert torch.equal(a, b), f"{name} differs at M={m}"
+    _assert_same_outputs(ours, _sglang_method(layer, x, defer_f_b), f"M={m} defer_f_b={defer_f_b}")
+    if m:
+        assert sorted(recorder.calls) == (["fab", "qkvg"] if defer_f_b else ["fab", "fb", "qkvg"])
 
 
 def test_weight_views_share_sglang_storage(kda_backend_selected):
     layer = _build_layer()
-    layer.forward_qkvbfg_fused(torch.randn(2, HIDDEN).bfloat16())
     w = layer._kda_projection.weights
     assert w.w_qkvg.data_ptr() == layer.fused_qkvg_proj.weight.data_ptr()
     assert w.w_fab.data_ptr() == layer._bfa_w.data_ptr()
     assert w.w_fb.data_ptr() == layer._bfa_f_b_w.data_ptr()
 
 
-def test_other_backends_keep_sglang_method():
+@pytest.mark.parametrize("backend", [None, "triton", "fa3"], ids=["default", "triton", "fa3"])
+def test_other_backends_keep_sglang_method(backend):
+    """Only ``kda`` turns the projection on; SGLang's own method serves otherwise."""
+    from sglang.srt.server_args import ServerArgs
+
+    with _published(ServerArgs(model_path="dummy", attention_backend=backend)):
+        layer = _build_layer()
+        x = torch.randn(2, HIDDEN).bfloat16()
+        assert layer._kda_projection is None
+        _assert_same_outputs(layer.forward_qkvbfg_fused(x), _sglang_method(layer, x, False), "SGLang's path")
+
+
+def test_nothing_published_keeps_sglang_method():
+    assert _build_layer()._kda_projection is None
+
+
+def test_unmerged_weights_keep_sglang_method(kda_backend_selected, kda_log, monkeypatch):
+    """Where SGLang leaves [f_a | b] unmerged (NPU, quantized ROCm checkpoints) its own method serves, one warning
+    says why, and no forward ever builds a projection."""
+    from sglang.srt.models.kimi_k3 import KimiK3DeltaAttention
+
+    monkeypatch.setattr(KimiK3DeltaAttention.__mro__[1], "_merge_bfa_weights", lambda self: None)
     layer = _build_layer()
-    layer.forward_qkvbfg_fused(torch.randn(2, HIDDEN).bfloat16())
-    assert layer._kda_projection is None
-
-
-def test_unmerged_weights_keep_sglang_method(kda_backend_selected, kda_log):
-    layer = _build_layer(merge=False)
-    layer.forward_qkvbfg_fused(torch.randn(2, HIDDEN).bfloat16())
-    assert layer._kda_projection is None
+    assert layer._bfa_w is None and layer._kda_projection is None
     assert any("did not merge" in m for m in kda_log.messages())
+    x = torch.randn(3, HIDDEN).bfloat16()
+    _assert_same_outputs(layer.forward_qkvbfg_fused(x), _sglang_method(layer, x, False), "unmerged")
+    assert layer._kda_projection is None
 
 
-def test_fork_decision_follows_sglang_capture_mode():
+def test_fork_follows_sglang_gate_in_capture_mode_and_breakable_graphs():
+    """SGLang's own overlap gate: capture mode (warm-ups and capture) and breakable graphs; eager serving never."""
+    from kda_sglang.injection import SglangHost
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+        enable_breakable_cuda_graph,
+    )
     from sglang.srt.model_executor.runner_utils import capture_mode
 
-    from kda_sglang.injection import SglangHost
-
-    host = SglangHost()
-    assert host.kda_host_fork_allowed(torch.device("cuda", 0)) is False
+    host, device = SglangHost(), torch.device("cuda", 0)
+    assert host.kda_host_fork_allowed(device) is False
     with capture_mode.model_capture_mode():
-        assert host.kda_host_fork_allowed(torch.device("cuda", 0)) is True
+        assert host.kda_host_fork_allowed(device) is True
+    with enable_breakable_cuda_graph():
+        assert host.kda_host_fork_allowed(device) is True
+    assert host.kda_host_fork_allowed(device) is False
 
 
-def test_full_attention_delegate_per_platform():
-    from kda_sglang.injection import full_attention_backend_name
+# --- the plan: resolved at load on every rank together, never in a forward -----------------------------------------
 
-    assert full_attention_backend_name((9, 0)) == "fa3"
-    assert full_attention_backend_name((10, 0)) == "trtllm_mla"
-    assert full_attention_backend_name(None) == "triton"
 
+class _CountingCollective:
+    """Stands for SGLang's TP broadcast of the plan: counts calls, and fails once the ranks are loaded (a collective
+    in a forward would wait for a DP-attention rank that skips self-attention in that step)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.closed = False
+
+    @hookimpl(tryfirst=True)
+    def kda_share_plan(self, plan):
+        if self.closed:
+            raise AssertionError("the plan was shared from a forward")
+        self.calls += 1
+        return plan
+
+
+def test_plan_is_shared_at_load_on_every_rank_and_never_in_forward(kda_backend_selected, monkeypatch):
+    from sglang.test.parallel_groups import parallel_scope
+
+    from kda_backend import planning
+
+    monkeypatch.setenv("KDA_BACKEND_PLAN", "overlap")  # on the CPU only a forced or stored plan is shared
+    collective = _CountingCollective()
+    register_plugin(collective, "counting-collective")
+    layers = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(planning, "_resolved", {})  # each rank is its own process
+        with parallel_scope(tp_rank=rank, tp_size=2, attn_tp_rank=rank, attn_tp_size=2, moe_tp_size=2):
+            layers[rank] = [_build_layer(seed=rank), _build_layer(seed=10 + rank)]
+        assert collective.calls == rank + 1, "each rank shares the plan once, while its weights are loaded"
+        assert all(layer._kda_projection is not None for layer in layers[rank])
+    collective.closed = True
+    for rank, built in layers.items():
+        for layer in built:
+            for m in (1, 3, 16):
+                for defer_f_b in (False, True):
+                    x = torch.randn(m, HIDDEN).bfloat16()
+                    _assert_same_outputs(layer.forward_qkvbfg_fused(x, defer_f_b=defer_f_b),
+                                         _sglang_method(layer, x, defer_f_b), f"rank {rank} M={m}")
+    assert collective.calls == 2
+
+
+def test_cuda_graph_token_counts_reach_the_projection(k3_model_path, monkeypatch):
+    """build_projection gets SGLang's decode CUDA-graph token counts (batch sizes, times the draft tokens a target
+    verifies under speculative decoding), so every kernel is compiled before capture."""
+    import kda_sglang.layer as layer_module
+
+    seen = []
+    real = layer_module.build_projection
+
+    def spy(weights, **kwargs):
+        seen.append(tuple(kwargs["batch_sizes"]))
+        return real(weights, **kwargs)
+
+    monkeypatch.setattr(layer_module, "build_projection", spy)
+    eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", "4"]
+    for argv, per_request in (([], 1), (eagle, 4)):
+        server_args = _resolve(k3_model_path, "sm90", ["--attention-backend", "kda", "--cuda-graph-bs-decode",
+                                                        "1", "2", "8", *argv], tp=1)
+        with _published(server_args):
+            _build_layer()
+        assert seen.pop() == tuple(bs * per_request for bs in (1, 2, 8))
+    server_args = _resolve(k3_model_path, "sm90", ["--attention-backend", "kda", "--disable-cuda-graph"], tp=1)
+    with _published(server_args):
+        _build_layer()
+    assert seen.pop() == ()
+
+
+# --- TP16: SGLang's 136-row [f_a | b] ----------------------------------------------------------------------------
+
+
+def test_tp16_serves_the_136_row_merged_weight(kda_backend_selected, monkeypatch):
+    """Kimi-K3 at TP16: 6 heads per rank, SGLang pads [f_a | b] (128 + 6 rows) to 136; the adapter hands that
+    tensor to the core unchanged and serves equal to SGLang's method."""
+    import sglang.kernels.ops.gemm.kimi_k3 as sglang_tiny_gemm
+    from sglang.test.parallel_groups import parallel_scope
+
+    # SGLang's CUDA-only tiny-GEMM kernel; on the CPU its own F.linear fallback stands in for it.
+    monkeypatch.setattr(sglang_tiny_gemm, "_K3_TINY_GEMM_MAX_TOKENS", {})
+    k3 = preset("kimi-k3", 16)
+    rank = 5
+    with parallel_scope(tp_rank=rank, tp_size=16, attn_tp_rank=rank, attn_tp_size=16, moe_tp_size=16):
+        layer = _build_layer(hidden=k3.hidden_size, heads=k3.num_heads, head_dim=k3.head_dim)
+    assert tuple(layer._bfa_w.shape) == (136, k3.hidden_size)
+    projection = layer._kda_projection
+    assert projection is not None and projection.weights.w_fab.data_ptr() == layer._bfa_w.data_ptr()
+    g = projection.geometry
+    assert (g.tp_size, g.heads_local, g.fab_rows, g.qkvg_rows) == (16, 6, 136, 3072)
+    assert projection.gemm_call("fab", 4).n == 136
+    for m in (1, 7, 16):
+        x = torch.randn(m, k3.hidden_size, generator=torch.Generator().manual_seed(m)).bfloat16()
+        for defer_f_b in (False, True):
+            _assert_same_outputs(layer.forward_qkvbfg_fused(x, defer_f_b=defer_f_b),
+                                 _sglang_method(layer, x, defer_f_b), f"TP16 M={m} defer_f_b={defer_f_b}")
+
+
+# --- parity artifact ---------------------------------------------------------------------------------------------
 
 SGLANG_QKVG_SHARD_IDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "g_proj": 3}
 
@@ -242,7 +594,6 @@ def test_parity_artifact_through_sglang_loaders(kda_backend_selected, tmp_path, 
     """Load each synthetic checkpoint through SGLang's weight loaders as every rank of every TP size, and write
     the adapter's projections for the cross-engine comparison (tests/engines/test_cross_engine_parity.py)."""
     import sglang.kernels.ops.gemm.kimi_k3 as sglang_tiny_gemm
-    import sglang.srt.models.kimi_k3 as kimi_k3
 
     # SGLang's native path sends the exact K3 TP8 shapes to a CUDA-only tiny-GEMM kernel; on the CPU its own
     # F.linear fallback (what every other shape gets) stands in for it.
@@ -259,7 +610,7 @@ def test_parity_artifact_through_sglang_loaders(kda_backend_selected, tmp_path, 
             for m in PARITY_MS:
                 x = parity_input(m, geometry.hidden_size)
                 qkv, beta, forget_gate, g_proj = layer.forward_qkvbfg_fused(x)
-                native = kimi_k3.KimiK3DeltaAttention.__mro__[1].forward_qkvbfg_fused(layer, x)
+                native = _sglang_method(layer, x, False)
                 assert all(torch.equal(a, b) for a, b in zip((qkv, beta, forget_gate, g_proj), native)), (case, m)
                 outputs[m] = [torch.cat([qkv, g_proj], dim=-1), forget_gate.clone(), beta.clone()]
             results[case] = {"outputs": outputs, "checksums": loaded_checksums(layer._kda_projection.weights)}
