@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kda_backend.geometry import preset
+from kda_backend.geometry import preset, valid_tp_sizes
 from kda_backend.kernels.compile_cache import KernelKey, compile_gemm, target_arch
 from kda_backend.kernels.skinny_gemm import (
     Link,
@@ -19,6 +19,7 @@ from kda_backend.kernels.skinny_gemm import (
     block_t_for,
     candidate_tactics,
     default_tactic,
+    output_tiles,
     tactic_bucket,
     validate_link,
     validate_tactic,
@@ -29,8 +30,10 @@ from kda_backend.providers.cute_provider import CuteDslProvider
 ARCHS = ["sm_90a", "sm_100a"]
 
 
-def _roles(tp):
-    g = preset("kimi-k3", tp)
+def _roles(tp, row_multiple=16):
+    """``role -> (N, K, x row stride)`` of Kimi-K3 at ``tp``, F_A/beta padded to ``row_multiple`` rows (16: vLLM's
+    packed layout, 8: SGLang's, which leaves N % 16 == 8 at TP4 and TP16)."""
+    g = dataclasses.replace(preset("kimi-k3", tp), row_multiple=row_multiple)
     return {
         "qkvg": (g.qkvg_rows, g.hidden_size, g.hidden_size),
         "fab": (g.fab_rows, g.hidden_size, g.hidden_size),
@@ -38,10 +41,11 @@ def _roles(tp):
     }
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16], ids=lambda t: f"tp{t}")
+@pytest.mark.parametrize("row_multiple", [16, 8], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("tp", valid_tp_sizes(96), ids=lambda t: f"tp{t}")
 @pytest.mark.parametrize("m", [1, 16, 17, 64])
-def test_default_tactic_valid_for_every_role(tp, m):
-    for role, (n, k, xs) in _roles(tp).items():
+def test_default_tactic_valid_for_every_role(tp, m, row_multiple):
+    for role, (n, k, xs) in _roles(tp, row_multiple).items():
         tactic = default_tactic(n, k, m)
         assert validate_tactic(tactic, n, k, xs) is None, (role, tactic)
         assert tactic.block_t >= min(m, 64)
@@ -68,7 +72,10 @@ def test_bulk_activations_are_a_single_token_candidate():
 @pytest.mark.parametrize(
     "tactic,n,k,xs,match",
     [
-        (Tactic(block_n=16), 100, 7168, 7168, "block_n=16 must be a multiple of 16 dividing N=100"),
+        (Tactic(block_n=16), 100, 7168, 7168, "N=100 must be a multiple of 8"),
+        (Tactic(block_n=32), 6160, 7168, 7168, "block_n=32 must be a multiple of 16 dividing N=6160"),
+        (Tactic(block_n=32), 136, 7168, 7168, "block_n=32 must be a multiple of 16 dividing N=136 rounded up"),
+        (Tactic(block_n=24), 144, 7168, 7168, "block_n=24 must be a multiple of 16"),
         (Tactic(block_k=96), 6144, 7168, 7168, "block_k=96"),
         (Tactic(block_k=256), 6144, 7040, 7040, "dividing K=7040"),
         (Tactic(block_t=8), 6144, 7168, 7168, "block_t=8"),
@@ -103,6 +110,28 @@ def test_candidates_are_valid_and_include_default():
     assert default_tactic(n, k, 4) in cands
 
 
+def test_partial_row_block_runs_n_as_rounded_up_to_16_rows():
+    """N % 16 == 8 (SGLang's F_A/beta: 152 rows at TP4, 136 at TP16) has the tactics, tiles and CTAs of 8 rows more,
+    the last row block partial; for N % 16 == 0 every candidate's row blocks still divide N."""
+    from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
+
+    k = 7168
+    for n in (136, 152):
+        padded = n + 8
+        assert default_tactic(n, k, 16) == default_tactic(padded, k, 16)
+        for m in (1, 16, 40):
+            assert candidate_tactics(n, k, m, k) == candidate_tactics(padded, k, m, k)
+        assert output_tiles(Tactic(block_n=16, block_t=16), n, 17) == padded // 16 * 2
+        qkvg = Tactic(16, 256, 16, 4)
+        h200 = SmBudget(sms=132, smem_per_sm=233472)
+        spare = spare_slot_tactics(n, k, 16, k, qkvg, output_tiles(qkvg, 6144, 16), h200)
+        assert spare and spare == spare_slot_tactics(padded, k, 16, k, qkvg, output_tiles(qkvg, 6144, 16), h200)
+    assert validate_tactic(Tactic(48, 128, 16, 4, split_k=4), 136, k, k) is None  # rows 48 + 48 + 40
+    for tp in (1, 2, 4, 8, 16):
+        for n, k_role, xs in _roles(tp).values():
+            assert all(n % c.block_n == 0 for m in (1, 16) for c in candidate_tactics(n, k_role, m, xs))
+
+
 def _call(**kw):
     base = dict(role="qkvg", m=4, n=6144, k=7168, dtype=torch.bfloat16, device_type="cuda", capability=(9, 0),
                 x_row_stride=7168, w_row_stride=7168)
@@ -130,6 +159,18 @@ def test_provider_rejections_name_reason(kw, match):
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0), (10, 3)])
 def test_provider_accepts_hopper_and_blackwell(capability):
     assert CuteDslProvider().why_not(_call(capability=capability)) is None
+
+
+@pytest.mark.parametrize("row_multiple", [16, 8], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16], ids=lambda t: f"tp{t}")
+def test_provider_serves_every_role_at_every_tp(tp, row_multiple):
+    """Each GEMM alone, the chained stage and the trailing side chain, with F_A/beta padded as vLLM (16 rows) and
+    SGLang (8 rows: 152 at TP4, 136 at TP16) pad it."""
+    p = CuteDslProvider()
+    calls = _chained_calls(tp, row_multiple)
+    for call in calls.values():
+        assert p.why_not(call) is None, call
+    assert p.why_not_chained(calls) is None and p.why_not_trailing(calls) is None
 
 
 def test_provider_uses_tuned_tactic():
@@ -389,14 +430,15 @@ def test_unwritable_kernel_cache_still_serves(kernel_cache, kda_log, monkeypatch
     assert any("cannot write compiled kernels" in m for m in kda_log.messages())
 
 
-def _chained_calls(tp=8, **qkvg):
-    calls = {role: _call(role=role, n=n, k=k, x_row_stride=xs, w_row_stride=k) for role, (n, k, xs) in _roles(tp).items()}
+def _chained_calls(tp=8, row_multiple=16, **qkvg):
+    calls = {role: _call(role=role, n=n, k=k, x_row_stride=xs, w_row_stride=k)
+             for role, (n, k, xs) in _roles(tp, row_multiple).items()}
     calls["qkvg"] = dataclasses.replace(calls["qkvg"], **qkvg)
     return calls
 
 
-def _chained_keys(tp, arch, joint=None):
-    roles = _roles(tp)
+def _chained_keys(tp, arch, joint=None, row_multiple=16):
+    roles = _roles(tp, row_multiple)
     (qn, qk, qxs), (fn, _, _), (bn, bk, bxs) = roles["qkvg"], roles["fab"], roles["fb"]
     waiting = dataclasses.replace(default_tactic(bn, bk, 4), x_via_l1=False)
     return (KernelKey(joint or default_tactic(qn, qk, 4), qn, qk, qxs, qk, arch, Link(joint_rows=fn)),
@@ -409,7 +451,8 @@ def _chained_keys(tp, arch, joint=None):
         (Link(joint_rows=144, waits=True), Tactic(16, 256, 16, 4), "not joint_rows and waits"),
         (Link(signals=True, waits=True), Tactic(16, 256, 16, 4), "not waits and signals"),
         (Link(waits=True, x_ready=True), Tactic(16, 128, 16, 2, x_via_l1=False), "not a joint or waiting one"),
-        (Link(joint_rows=144), Tactic(32, 256, 16, 4), "multiple of block_n=32"),
+        (Link(joint_rows=144), Tactic(32, 256, 16, 4), "block_n=32 must be a multiple of 16 dividing joint_rows=144"),
+        (Link(joint_rows=132), Tactic(16, 256, 16, 4), "joint_rows=132 must be a multiple of 8"),
         (Link(joint_rows=144), Tactic(16, 128, 16, 3, split_k=2), "cannot split K"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=True), "loads x from L2 only"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True), "loads x from L2 only"),
@@ -504,3 +547,60 @@ def test_trailing_side_chain_kernels_compile_and_order_their_waits(arch, tmp_pat
     fb_n, fb_k, fb_xs = _roles(8)["fb"]
     assert compile_gemm(KernelKey(Tactic(16, 128, 16, 2, x_via_l1=False), fb_n, fb_k, fb_xs, fb_k, arch,
                                   Link(waits=True))) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", [4, 16], ids=lambda t: f"tp{t}")
+def test_partial_row_block_kernels_compile_on_cpu(arch, tp):
+    """SGLang's F_A/beta (N % 16 == 8) by every path: the default split-K tactic of each token tile, wider CTAs
+    (the last one partial by more than 8 rows) with activations by TMA and bulk copies, no split; F_B reading f_a at
+    that row stride; the chained stage (a partial joint weight) and the trailing side chain (signaling split-K)."""
+    roles = _roles(tp, row_multiple=8)
+    n, k, xs = roles["fab"]
+    assert n % 16 == 8
+    wide = 48 if (n + 8) % 48 == 0 else 32
+    tactics = [default_tactic(n, k, m) for m in (1, 32, 64)] + [
+        Tactic(wide, 128, 16, 4, x_via_l1=False, x_tma=True, split_k=4),
+        Tactic(wide, 128, 64, 4, x_via_l1=False, x_bulk=True, split_k=4),
+        Tactic(16, 256, 16, 4),
+    ]
+    keys = [KernelKey(tactic, n, k, xs, k, arch) for tactic in tactics]
+    fb_n, fb_k, fb_xs = roles["fb"]
+    keys.append(KernelKey(default_tactic(fb_n, fb_k, 16), fb_n, fb_k, fb_xs, fb_k, arch))
+    keys += _chained_keys(tp, arch, row_multiple=8)
+    keys.append(KernelKey(Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), n, k, xs, k, arch,
+                          Link(signals=True, x_ready=True)))
+    for key in keys:
+        assert validate_tactic(key.tactic, key.n, key.k, key.x_row_stride) is None
+        assert validate_link(key.link, key.tactic) is None
+        assert compile_gemm(key) is not None
+
+
+def _weight_copies_after_a_branch(ptx: str) -> tuple[int, int]:
+    """(weight copies with a conditional branch since the previous one, weight copies without) in ``ptx``."""
+    priority = {reg: p for p, reg in re.findall(r"createpolicy\.fractional\.L2::(\w+)\.b64 (%rd\d+)", ptx)}
+    after_branch = back_to_back = 0
+    branch = False
+    for line in ptx.splitlines():
+        if re.match(r"\s*@%p\d+ bra", line):
+            branch = True
+        elif line.strip().startswith("cp.async.cg") and any(
+            priority.get(reg) == "evict_first" for reg in re.findall(r"%rd\d+", line)
+        ):
+            after_branch, back_to_back = after_branch + branch, back_to_back + (not branch)
+            branch = False
+    return after_branch, back_to_back
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tactic", [Tactic(16, 128, 16, 3, split_k=14), Tactic(48, 256, 16, 4)], ids=lambda t: t.key())
+def test_partial_row_block_predicates_weight_rows_only_where_needed(arch, tactic, tmp_path):
+    """With N = 136 every weight copy has its own row predicate; with N = 144 the same tactic issues each K-tile's
+    weight copies back to back (the only branch before one is the main loop's refill test)."""
+    ptx = {}
+    for n in (136, 144):
+        (tmp_path / str(n)).mkdir()
+        ptx[n] = _compile_and_dump(KernelKey(tactic, n, 7168, 7168, 7168, arch), tmp_path / str(n))
+    predicated, unpredicated = _weight_copies_after_a_branch(ptx[136])
+    assert predicated == tactic.block_n * tactic.block_k // 8 // tactic.threads * tactic.stages and unpredicated == 0
+    assert _weight_copies_after_a_branch(ptx[144]) == (1, predicated - 1)

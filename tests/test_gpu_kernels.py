@@ -1,5 +1,5 @@
 """The CuTe DSL kernel alone on the GPU: every role and TP size, strided f_a input, bad input errors, the chained
-stage."""
+stage, N not a multiple of 16 (a partial last row block)."""
 
 import dataclasses
 
@@ -8,17 +8,21 @@ import torch
 
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
+from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, output_tiles
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles
 from kda_backend.providers.cute_provider import CuteDslProvider, launch, launch_trailing
 
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("row_multiple", [16, 8], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16], ids=lambda t: f"tp{t}")
 @pytest.mark.parametrize("m", [1, 7, 16, 24, 64], ids=lambda m: f"M{m}")
-def test_fb_reads_strided_f_a_in_place(tp, m):
-    g = preset("kimi-k3", tp)
+def test_fb_reads_strided_f_a_in_place(tp, m, row_multiple):
+    """F_B reads f_a inside F_A/beta's output, whose row stride is F_A/beta's rows as vLLM (16) or SGLang (8) pads
+    them (SGLang: 152 at TP4, 136 at TP16)."""
+    g = dataclasses.replace(preset("kimi-k3", tp), row_multiple=row_multiple)
     fab = torch.randn(m, g.fab_rows, device="cuda", dtype=torch.bfloat16)
     f_a = fab[:, : g.head_dim]
     w = torch.randn(*g.fb_shape, device="cuda", dtype=torch.bfloat16) * g.head_dim**-0.5
@@ -291,5 +295,118 @@ def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
         assert not out.isnan().any()
         assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
+    assert not arrival_counters.for_stream(torch.cuda.current_stream(), 1).any()
+
+
+SENTINEL = 3.0  # what the memory right after an output or workspace holds, and must still hold after a launch
+GUARD = 4096  # elements of that memory checked
+
+
+def _guarded(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-poisoned contiguous ``[m, n]`` tensor and the ``GUARD`` elements right after it, holding ``SENTINEL``."""
+    buf = torch.full((m * n + GUARD,), SENTINEL, device="cuda", dtype=dtype)
+    buf[: m * n] = float("nan")
+    return buf[: m * n].view(m, n), buf[m * n:]
+
+
+def _launch_with_guarded_workspace(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor):
+    """``out = x @ w.T`` as :func:`~kda_backend.providers.cute_provider.launch` runs it, with a split-K workspace
+    ``[split_k, M, N]`` that is NaN-poisoned and followed by guard memory; returns that guard (``None`` without
+    split-K)."""
+    (m, k), n = x.shape, w.shape[0]
+    kernel = compiled_gemms.get(kernel_key(tactic, n, k, x.stride(0), w.stride(0), x.device))
+    if tactic.split_k == 1:
+        kernel(x, w, out.t())
+        return None
+    work, guard = _guarded(tactic.split_k, m * n, torch.float32)
+    counters = arrival_counters.for_stream(torch.cuda.current_stream(), output_tiles(tactic, n, m))
+    kernel(x, w, out.t(), work.view(tactic.split_k, m, n).permute(2, 1, 0), counters)
+    return guard
+
+
+# (N, K, tactic or None for the default) with N % 16 == 8: the last 16-row tile lies half outside the weight.
+PARTIAL_ROW_BLOCK_GEMMS = [
+    (136, 7168, None),  # SGLang's F_A/beta at TP16: 16-row CTAs, split-K 14
+    (136, 7168, Tactic(16, 128, 16, 2, x_via_l1=False, split_k=7)),
+    (136, 7168, Tactic(48, 128, 16, 4, x_via_l1=False, split_k=4)),  # rows 48 + 48 + 40
+    (136, 7168, Tactic(48, 128, 16, 4, x_via_l1=False, x_tma=True, split_k=4)),
+    (136, 7168, Tactic(48, 128, 16, 4, x_via_l1=False, x_bulk=True, split_k=4)),
+    (136, 7168, Tactic(16, 256, 16, 4)),  # no split, activations through L1
+    (136, 7168, Tactic(48, 256, 16, 3, x_via_l1=False, x_tma=True)),
+    (152, 7168, None),  # SGLang's F_A/beta at TP4
+    (152, 7168, Tactic(32, 256, 16, 4)),  # rows 4 x 32 + 24
+    (8, 128, None),  # one CTA, half of its rows
+    (8, 1024, None),  # split-K over half a tile
+    (24, 1024, None),
+    (24, 1024, Tactic(32, 128, 16, 2)),  # one CTA, 24 of its 32 rows
+]
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 64], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("n, k, tactic", PARTIAL_ROW_BLOCK_GEMMS,
+                         ids=[f"N{n}-K{k}-{t.key() if t else 'default'}" for n, k, t in PARTIAL_ROW_BLOCK_GEMMS])
+def test_partial_row_block_matches_reference_and_stays_in_bounds(n, k, tactic, m):
+    """N a multiple of 8 but not of 16, by every load path, with and without split-K: fp32-close outputs from NaN
+    outputs and workspaces, the same bits twice, nothing stored past the output or published past the workspace,
+    arrival counters left at zero. The weight is followed by NaN rows, which a load past it would read."""
+    tactic = dataclasses.replace(tactic or default_tactic(n, k, m), block_t=block_t_for(m))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w_rows = torch.randn(n + 16, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    w_rows[n:] = float("nan")
+    w = w_rows[:n]
+    outs = []
+    for _ in range(2):
+        out, out_guard = _guarded(m, n)
+        work_guard = _launch_with_guarded_workspace(tactic, x, w, out)
+        torch.cuda.synchronize()
+        assert (out_guard == SENTINEL).all(), "stored past the output"
+        assert work_guard is None or (work_guard == SENTINEL).all(), "published past the split-K workspace"
+        outs.append(out)
+    ref = x.float() @ w.float().t()
+    assert not outs[0].isnan().any()
+    assert ((outs[0].float() - ref).norm() / ref.norm()).item() <= 1e-2
+    assert torch.equal(outs[0], outs[1])
+    assert not arrival_counters.for_stream(torch.cuda.current_stream(), 1).any()
+
+
+@pytest.mark.parametrize("tp", [4, 16], ids=lambda t: f"tp{t}")
+@pytest.mark.parametrize("m", [1, 16, 17, 64], ids=lambda m: f"M{m}")
+def test_partial_row_block_in_linked_stages(tp, m):
+    """SGLang's F_A/beta (152 rows at TP4, 136 at TP16) through the provider alone, in the chained stage (the joint
+    weight's last row block partial) and trailing QKVG (signaling split-K): fp32-close from poisoned outputs,
+    nothing stored past any output, the trailing side chain bitwise equal to the plain kernels, counters at zero."""
+    g = dataclasses.replace(preset("kimi-k3", tp), row_multiple=8)
+    assert g.fab_rows % 16 == 8
+    w = {
+        "qkvg": torch.randn(g.qkvg_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5,
+        "fab": torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5,
+        "fb": torch.randn(*g.fb_shape, device="cuda", dtype=torch.bfloat16) * g.head_dim**-0.5,
+    }
+    x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
+    provider = CuteDslProvider()
+    runs = {}
+    for mode in ("plain", "chained", "trailing"):
+        (qkvg, qkvg_guard), (fab, fab_guard), (g1, g1_guard) = (
+            _guarded(m, c) for c in (g.qkvg_rows, g.fab_rows, g.local_width))
+        if mode == "chained":
+            provider.run_chained(x, w, qkvg, fab, g1)
+        else:
+            provider.run("qkvg", x, w["qkvg"], qkvg)
+            if mode == "trailing":
+                provider.run_trailing(x, w, fab, g1)
+            else:
+                provider.run("fab", x, w["fab"], fab)
+                provider.run("fb", fab[:, : g.head_dim], w["fb"], g1)
+        torch.cuda.synchronize()
+        refs = (x.float() @ w["qkvg"].float().t(), x.float() @ w["fab"].float().t(),
+                fab[:, : g.head_dim].float() @ w["fb"].float().t())
+        for name, out, guard, ref in zip(("qkvg", "fab", "g1"), (qkvg, fab, g1), (qkvg_guard, fab_guard, g1_guard),
+                                         refs):
+            assert (guard == SENTINEL).all(), f"{mode}: stored past {name}"
+            assert not out.isnan().any(), f"{mode}: {name}"
+            assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2, f"{mode}: {name}"
+        runs[mode] = (fab, g1)
+    assert all(torch.equal(a, b) for a, b in zip(runs["plain"], runs["trailing"]))
     assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
     assert not arrival_counters.for_stream(torch.cuda.current_stream(), 1).any()

@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-COUNTERS_PER_STREAM = 256  # output tiles of one launch, N / block_n * ceil(M / block_t): Kimi-K3 F_A/beta 9-14
+COUNTERS_PER_STREAM = 256  # output tiles of one launch, ceil(N / block_n) * ceil(M / block_t): Kimi-K3 F_A/beta 9-14
 CHAIN_COUNTERS = 2  # the last two of a row: the chained stage's pair (see skinny_gemm.Link)
 SPLIT_K_COUNTERS = COUNTERS_PER_STREAM - CHAIN_COUNTERS
 STREAMS_PER_DEVICE = 1024  # streams are rarely destroyed in serving; 1 MiB per device covers test churn too

@@ -15,7 +15,7 @@ import itertools
 
 import torch
 
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, validate_tactic
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, padded_rows, row_blocks, validate_tactic
 
 SMEM_RESERVED_PER_CTA = 1024  # shared memory the driver keeps per resident CTA (SM 8.0 and later)
 MAX_CTAS_PER_SM = 32
@@ -69,9 +69,9 @@ def spare_slot_tactics(
         return []
     k_tiles = k // SIDE_BLOCK_K
     layouts = {  # (block_n, split_k) -> CTAs
-        (block_n, split_k): n // block_n * split_k
-        for block_n in SIDE_BLOCK_NS if n % block_n == 0
-        for split_k in range(1, k_tiles + 1) if k_tiles % split_k == 0 and n // block_n * split_k <= spare
+        (block_n, split_k): row_blocks(n, block_n) * split_k
+        for block_n in SIDE_BLOCK_NS if padded_rows(n) % block_n == 0
+        for split_k in range(1, k_tiles + 1) if k_tiles % split_k == 0 and row_blocks(n, block_n) * split_k <= spare
     }
     if not layouts:
         return []

@@ -22,6 +22,12 @@ weights, so everything serves keeping weight bytes in flight:
 The same kernel serves the three roles: QKVG (N = 4*hD, K = hidden), F_A/beta (N = fab_rows, K = hidden, few
 CTAs so it can run beside QKVG) and F_B (N = hD, K = D, x a strided view of F_A/beta's output).
 Shapes N, K and the row strides are compile-time constants; M is a runtime value up to ``block_t * grid_y``.
+
+N need only be a multiple of 8 (one 16-byte vector of output rows): SGLang pads F_A/beta to 8 rows, 136 at TP16.
+Where ``block_n`` does not divide N, the last row block is partial: its weight rows past N are never loaded (their
+shared-memory rows are zero-filled once) and its accumulator rows past N are never stored or published to the
+split-K workspace. N is static, so this is a compile-time specialization: where ``block_n`` divides N the kernel
+compiles exactly as without it.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ X_BULK_ROW_PAD = 8
 class Tactic:
     """One specialization of the kernel.
 
-    :param block_n: weight rows per CTA (multiple of 16).
+    :param block_n: weight rows per CTA (multiple of 16, dividing N rounded up to 16 rows; the last CTA along N
+        holds fewer rows where it does not divide N).
     :param block_k: K elements per pipeline stage (multiple of 64, divides K).
     :param block_t: tokens per CTA (16, 32 or 64); M above it uses more CTAs along grid y.
     :param stages: K-tiles in flight.
@@ -131,10 +138,31 @@ class Tactic:
         )
 
 
+def row_blocks(rows: int, block_n: int) -> int:
+    """CTAs along ``rows`` weight rows (the last one partial where ``block_n`` does not divide ``rows``)."""
+    return -(-rows // block_n)
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` in whole 16-row MMA tiles: what ``block_n`` must divide."""
+    return row_blocks(rows, MMA_SHAPE[0]) * MMA_SHAPE[0]
+
+
+def _rows_reason(what: str, rows: int, block_n: int) -> str | None:
+    """Why ``block_n``-row CTAs cannot cover ``rows`` weight rows, or ``None``: the rows come in whole output
+    vectors, and only the last row block may be partial, by less than one 16-row MMA tile."""
+    if rows % ELEMS_PER_COPY:
+        return f"{what}={rows} must be a multiple of {ELEMS_PER_COPY} (16-byte output vectors)"
+    if block_n % MMA_SHAPE[0] or padded_rows(rows) % block_n:
+        return f"block_n={block_n} must be a multiple of 16 dividing {what}={rows} rounded up to 16 rows"
+    return None
+
+
 def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | None:
     """``None`` if ``tactic`` can run a GEMM with these static sizes, else why not."""
-    if tactic.block_n % MMA_SHAPE[0] or n % tactic.block_n:
-        return f"block_n={tactic.block_n} must be a multiple of 16 dividing N={n}"
+    reason = _rows_reason("N", n, tactic.block_n)
+    if reason is not None:
+        return reason
     if tactic.block_k % 64 or k % tactic.block_k:
         return f"block_k={tactic.block_k} must be a multiple of 64 dividing K={k}"
     if tactic.block_t not in (16, 32, 64):
@@ -196,8 +224,10 @@ def validate_link(link: Link, tactic: Tactic) -> str | None:
         return f"a launch takes one role in a linked stage, not {' and '.join(roles)}"
     if link.x_ready and (link.joint_rows or link.waits):
         return "x_ready is for a launch behind QKVG's (signals), not a joint or waiting one"
-    if link.joint_rows % tactic.block_n:
-        return f"joint_rows={link.joint_rows} must be a multiple of block_n={tactic.block_n}"
+    if link.joint_rows:
+        reason = _rows_reason("joint_rows", link.joint_rows, tactic.block_n)
+        if reason is not None:
+            return reason
     if (link.joint_rows or link.waits) and tactic.split_k > 1:
         return "a joint or waiting launch cannot split K"
     if link.waits and (tactic.x_via_l1 or tactic.x_tma or tactic.x_bulk):
@@ -213,7 +243,7 @@ def validate_link(link: Link, tactic: Tactic) -> str | None:
 def output_tiles(tactic: Tactic, n: int, m: int) -> int:
     """Output tiles of one launch over ``n`` weight rows and ``m`` tokens (each split-K CTA works on one of them):
     what split-K counts per tile and what a waiting launch counts in."""
-    return n // tactic.block_n * -(-m // tactic.block_t)
+    return row_blocks(n, tactic.block_n) * -(-m // tactic.block_t)
 
 
 def block_t_for(m: int) -> int:
@@ -243,15 +273,15 @@ def default_tactic(n: int, k: int, m: int) -> Tactic:
     (:data:`kda_backend.kernels.compile_cache.SMEM_CARVEOUT_PERCENT`). Skinny N (F_A/beta) is split along K into
     about ``SPLIT_TARGET_CTAS`` CTAs of three small stages each: at 16 tokens 26 KB with their reserve, which still
     fit in the 32 KB three QKVG CTAs leave, and beside QKVG they overlap 0.2-0.3 us better than two stages on H200."""
-    if n % 16:
-        raise ValueError(f"N={n} is not a multiple of 16")
+    if n % ELEMS_PER_COPY:
+        raise ValueError(f"N={n} is not a multiple of {ELEMS_PER_COPY}")
     if k % 64:
         raise ValueError(f"K={k} is not a multiple of 64")
     block_t = block_t_for(m)
-    row_blocks = n // 16
-    if row_blocks < SPLIT_BELOW_ROW_BLOCKS and k % 128 == 0 and k // 128 > 4:
+    blocks = row_blocks(n, 16)
+    if blocks < SPLIT_BELOW_ROW_BLOCKS and k % 128 == 0 and k // 128 > 4:
         k_tiles = k // 128
-        splits = [s for s in range(1, k_tiles + 1) if k_tiles % s == 0 and row_blocks * s <= SPLIT_TARGET_CTAS]
+        splits = [s for s in range(1, k_tiles + 1) if k_tiles % s == 0 and blocks * s <= SPLIT_TARGET_CTAS]
         return Tactic(block_n=16, block_k=128, block_t=block_t, stages=3, split_k=max(splits))
     block_k = next(b for b in (256, 128, 64) if k % b == 0)
     return Tactic(block_n=16, block_k=block_k, block_t=block_t, stages=max(2, min(4, k // block_k)))
@@ -262,7 +292,8 @@ def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]
     block_t = block_t_for(m)
     found = []
     k_tiles_128 = k // 128
-    splits = [1] + ([d for d in (2, 4, 7, 8, 14, 16) if k_tiles_128 % d == 0] if n // 16 < SPLIT_BELOW_ROW_BLOCKS else [])
+    skinny = row_blocks(n, 16) < SPLIT_BELOW_ROW_BLOCKS
+    splits = [1] + ([d for d in (2, 4, 7, 8, 14, 16) if k_tiles_128 % d == 0] if skinny else [])
     for split_k in splits:
         for stages in (2, 3):
             for via_l1 in (True, False):
@@ -293,6 +324,8 @@ class SkinnyGemm:
             raise ValueError(reason)
         self.tactic, self.link = tactic, link
         self.n, self.k = n, k
+        # A weight's last row block is partial (see the module docstring): rows are then checked on load and store.
+        self.partial = bool(n % tactic.block_n or link.joint_rows % tactic.block_n)
         self.x_row_stride, self.w_row_stride = x_row_stride, w_row_stride
 
     def _smem_layout(self, rows: int, for_tma: bool = False) -> cute.ComposedLayout:
@@ -377,8 +410,8 @@ class SkinnyGemm:
             s_x_layout = cute.make_layout((t.block_t, t.block_k, t.stages), stride=(row, 1, t.block_t * row))
         else:
             s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
-        rows = self.n + self.link.joint_rows
-        grid = (rows // t.block_n, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
+        blocks = row_blocks(self.n, t.block_n) + row_blocks(self.link.joint_rows, t.block_n)
+        grid = (blocks, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         g2s_w = self._g2s_copy(dtype)
         if cutlass.const_expr(t.x_tma):
             # The descriptor is encoded per call from m_x, so it covers this call's M (rows past it read as zero).
@@ -427,7 +460,7 @@ class SkinnyGemm:
         # they still end with the slowest QKVG CTAs, see benchmarks/RESULTS.md, 2026-11-30 fifth session). Both
         # weights' tiles are partitioned (each at a valid block index); each load and store picks one by the CTA's
         # uniform flag.
-        joint_blocks = link.joint_rows // t.block_n
+        joint_blocks = row_blocks(link.joint_rows, t.block_n)
         joint = cutlass.Int32(0)
         if cutlass.const_expr(joint_blocks > 0):
             if bidx < joint_blocks:
@@ -460,6 +493,26 @@ class SkinnyGemm:
         t_gw = thr_g2s_w.partition_S(g_w)
         t_gw2 = thr_g2s_w.partition_S(g_w2)
         t_sw = thr_g2s_w.partition_D(s_w)
+        p_w = None
+        if cutlass.const_expr(self.partial):
+            # Rows of this CTA's weight block that exist (all but in the last block of a weight).
+            rows_left = (self.n - block_a * t.block_n) * (1 - joint) + (link.joint_rows - block_b * t.block_n) * joint
+            t_cw = thr_g2s_w.partition_S(cute.make_identity_tensor((t.block_n, t.block_k)))
+            # Predicates per (vector, row, k-vector) with the K mode broadcast (stride 0), as for x below.
+            p_w = cute.make_rmem_tensor(
+                cute.make_layout(
+                    (t_sw.shape[0][1], cute.size(t_sw, mode=[1]), cute.size(t_sw, mode=[2])),
+                    stride=(cute.size(t_sw, mode=[1]), 1, 0),
+                ),
+                cutlass.Boolean,
+            )
+            for v in cutlass.range_constexpr(p_w.shape[0]):
+                for r in cutlass.range_constexpr(p_w.shape[1]):
+                    row = t_cw[(0, v), r, 0][0]
+                    p_w[v, r, 0] = cute.elem_less(row, rows_left)
+                    # Rows past the weight are never loaded; zero-filled once, they stay zero in every stage.
+                    if rows_left <= row:
+                        t_sw[(None, v), r, None, None].fill(0)
         x_full = None  # with activations by TMA or bulk copies: "slot s holds its x tile", one mbarrier per slot
         if cutlass.const_expr(t.x_tma or t.x_bulk):
             x_full = smem.allocate_array(cutlass.Int64, t.stages, byte_alignment=8)
@@ -504,7 +557,7 @@ class SkinnyGemm:
         w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                self._load_w(t_gw, t_gw2, t_sw, joint, k_first + s, s, w_policy)
+                self._load_w(t_gw, t_gw2, t_sw, p_w, joint, k_first + s, s, w_policy)
         if cutlass.const_expr(link.waits):
             # The next kernel may take the slots QKVG's CTAs free as early as it would behind QKVG itself; it still
             # waits for this launch to complete (which waits for QKVG's, see _count_out).
@@ -567,7 +620,7 @@ class SkinnyGemm:
             if nxt < k_tiles:
                 slot = nxt % t.stages
                 k_load = k_first + nxt
-                self._load_w(t_gw, t_gw2, t_sw, joint, k_load, slot, w_policy)
+                self._load_w(t_gw, t_gw2, t_sw, p_w, joint, k_load, slot, w_policy)
                 self._load_x(
                     x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx, m_tokens - bidy * t.block_t, x_policy
                 )
@@ -583,17 +636,17 @@ class SkinnyGemm:
             self._reduce_split_k(acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx)
             # Only the CTA that arrived last holds the full sum; the others are done.
             if s_last[0] == t.split_k - 1:
-                self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+                self._store_tile(acc, thr_mma, s_o, g_o, c_o, self.n, m_tokens, tidx)
                 if cutlass.const_expr(link.signals):
                     self._signal(m_chain, tidx)
         elif cutlass.const_expr(link.joint_rows > 0):
             if joint != 0:
-                self._store_tile(acc, thr_mma, s_o, g_o2, c_o2, m_tokens, tidx)
+                self._store_tile(acc, thr_mma, s_o, g_o2, c_o2, link.joint_rows, m_tokens, tidx)
                 self._signal(m_chain, tidx)
             else:
-                self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+                self._store_tile(acc, thr_mma, s_o, g_o, c_o, self.n, m_tokens, tidx)
         else:
-            self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+            self._store_tile(acc, thr_mma, s_o, g_o, c_o, self.n, m_tokens, tidx)
             if cutlass.const_expr(link.signals):
                 self._signal(m_chain, tidx)
         if cutlass.const_expr(link.waits):
@@ -610,16 +663,24 @@ class SkinnyGemm:
             cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def _load_w(self, t_gw, t_gw2, t_sw, joint, k, slot, policy):
-        """Start loading weight K-tile ``k`` into ring slot ``slot``, from the joint weight where ``joint``; L2
-        evicts these lines first (``policy``, see :mod:`kda_backend.kernels.l2_cache_policy`)."""
+    def _load_w(self, t_gw, t_gw2, t_sw, p_w, joint, k, slot, policy):
+        """Start loading weight K-tile ``k`` into ring slot ``slot``, from the joint weight where ``joint``, the rows
+        ``p_w`` holds only where a row block is partial; L2 evicts these lines first (``policy``, see
+        :mod:`kda_backend.kernels.l2_cache_policy`)."""
         if cutlass.const_expr(self.link.joint_rows > 0):
             if joint != 0:
-                copy_with_policy(t_gw2[None, None, None, k], t_sw[None, None, None, slot], policy)
+                self._copy_w(t_gw2[None, None, None, k], t_sw[None, None, None, slot], p_w, policy)
             else:
-                copy_with_policy(t_gw[None, None, None, k], t_sw[None, None, None, slot], policy)
+                self._copy_w(t_gw[None, None, None, k], t_sw[None, None, None, slot], p_w, policy)
         else:
-            copy_with_policy(t_gw[None, None, None, k], t_sw[None, None, None, slot], policy)
+            self._copy_w(t_gw[None, None, None, k], t_sw[None, None, None, slot], p_w, policy)
+
+    def _copy_w(self, src, dst, p_w, policy):
+        """One weight K-tile's copies of this thread; by row predicate only where a row block is partial."""
+        if self.partial:
+            copy_with_policy_where(src, dst, p_w, policy, False)
+        else:
+            copy_with_policy(src, dst, policy)
 
     @cute.jit
     def _count_out(self, m_chain, tidx):
@@ -662,11 +723,19 @@ class SkinnyGemm:
         else:
             copy_with_policy_where(t_gx[None, None, None, k], t_sx[None, None, None, slot], p_x, policy, t.x_via_l1)
 
+    def _in_bounds(self, coord, rows, m_tokens):
+        """Whether the output element at ``coord`` (row, token) exists in an output of ``rows`` rows; rows are
+        checked only where the last row block is partial (a static property)."""
+        if rows % self.tactic.block_n:
+            return cute.elem_less(coord, (rows, m_tokens))
+        return cute.elem_less(coord[1], m_tokens)
+
     @cute.jit
-    def _store_tile(self, acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx):
-        """Write the accumulator as the output dtype, real tokens only. The MMA fragment holds scattered 2-byte
-        elements (neighbours belong to other tokens), so it goes through shared memory and leaves as 16-byte runs
-        of one token's rows (measured on H200: 0.1-0.3 us faster than storing the fragment directly at M = 8..16)."""
+    def _store_tile(self, acc, thr_mma, s_o, g_o, c_o, rows, m_tokens, tidx):
+        """Write the accumulator as the output dtype, real rows (of ``rows``) and tokens only. The MMA fragment
+        holds scattered 2-byte elements (neighbours belong to other tokens), so it goes through shared memory and
+        leaves as 16-byte runs of one token's rows (measured on H200: 0.1-0.3 us faster than storing the fragment
+        directly at M = 8..16)."""
         t = self.tactic
         t_so = thr_mma.partition_C(s_o)
         t_so.store(acc.load().to(s_o.element_type))
@@ -677,7 +746,7 @@ class SkinnyGemm:
         vectors = t.block_n * t.block_t // ELEMS_PER_COPY
         for j in cutlass.range_constexpr((vectors + t.threads - 1) // t.threads):
             i = j * t.threads + tidx
-            if i < vectors and cute.elem_less(v_c[(0, i)][1], m_tokens):
+            if i < vectors and self._in_bounds(v_c[(0, i)], rows, m_tokens):
                 cute.copy(store, v_s[(None, i)], v_g[(None, i)])
 
     @cute.jit
@@ -689,12 +758,12 @@ class SkinnyGemm:
         tile_shape = (t.block_n, t.block_t)
         t_gp = thr_mma.partition_C(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy)))
         for i in range(cute.size(acc)):
-            if cute.elem_less(t_co[i][1], m_tokens):
+            if self._in_bounds(t_co[i], self.n, m_tokens):
                 t_gp[i] = acc[i]
         # Release: every thread's partial is visible device-wide before thread 0 counts the CTA in.
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
-        tile = bidy * (self.n // t.block_n) + bidx
+        tile = bidy * row_blocks(self.n, t.block_n) + bidx
         if tidx == 0:
             s_last[0] = cute.arch.atomic_add(m_arrivals.iterator + tile, cutlass.Int32(1), sem="acq_rel", scope="gpu")
         cute.arch.sync_threads()
@@ -709,7 +778,7 @@ class SkinnyGemm:
                 part = []
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     value = cutlass.Float32(0.0)
-                    if cute.elem_less(t_co[i][1], m_tokens):
+                    if self._in_bounds(t_co[i], self.n, m_tokens):
                         value = cute.arch.load(t_gs.iterator + cute.crd2idx(i, t_gs.layout), cutlass.Float32, cop="cg")
                     part.append(value)
                 parts.append(part)

@@ -1,8 +1,9 @@
 """The CuTe DSL provider: the skinny swap-AB kernel of :mod:`kda_backend.kernels.skinny_gemm` for every role.
 
-Supported: CUDA devices of compute capability 9.x (Hopper) and 10.x (Blackwell), bf16, M up to ``MAX_M``, shapes
-the kernel tiles exactly (N a multiple of 16, K of 64, 16-byte aligned rows). The tactic per (role, M bucket) comes
-from the tuned tactic table when one was loaded (:meth:`CuteDslProvider.add_tactics`), else the kernel's default.
+Supported: CUDA devices of compute capability 9.x (Hopper) and 10.x (Blackwell), bf16, M up to ``MAX_M``, N a
+multiple of 8 (the last row block may be half a 16-row tile, e.g. SGLang's F_A/beta at TP16, 136 rows), K of 64,
+16-byte aligned rows. The tactic per (role, M bucket) comes from the tuned tactic table when one was loaded
+(:meth:`CuteDslProvider.add_tactics`), else the kernel's default.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.skinny_gemm import (
+    ELEMS_PER_COPY,
     Link,
     Tactic,
     block_t_for,
@@ -58,8 +60,8 @@ class CuteDslProvider(GemmProvider):
             return f"M > {MAX_M}"
         if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("tvm_ffi") is None:
             return "nvidia-cutlass-dsl or apache-tvm-ffi is not installed"
-        if call.n % 16 or call.k % 64:
-            return f"N={call.n} must be a multiple of 16 and K={call.k} of 64"
+        if call.n % ELEMS_PER_COPY or call.k % 64:
+            return f"N={call.n} must be a multiple of {ELEMS_PER_COPY} and K={call.k} of 64"
         return validate_tactic(self.tactic(call), call.n, call.k, call.x_row_stride)
 
     def prepare(self, call: GemmCall) -> None:
