@@ -291,6 +291,24 @@ def test_kda_resolves_as_the_delegate_named(k3_model_path, platform, spec):
     assert attention_backends_of(SimpleNamespace(**resolved)) == pair
 
 
+@pytest.mark.parametrize("platform", PLATFORMS, ids=list(PLATFORMS))
+def test_every_scheduler_knows_kda_was_chosen(k3_model_path, platform):
+    """The launcher's resolved record reaches a scheduler pickled (SGLang spawns them); there the resolved config
+    names the delegate while the adapter still reads `kda` from the operator's input."""
+    import pickle
+
+    from sglang.srt.runtime_context import get_exec
+
+    from kda_sglang.injection import kda_selected
+
+    launched = _resolve(k3_model_path, platform, ["--attention-backend", "kda"], tp=1)
+    with _published(pickle.loads(pickle.dumps(launched))):
+        assert kda_selected()
+        assert get_exec().kernel.attention_backend == PLATFORMS[platform]["delegate"]
+    with _published(pickle.loads(pickle.dumps(_resolve(k3_model_path, platform, [], tp=1)))):
+        assert not kda_selected()
+
+
 def test_sm100_page_size_is_trtllm_mla_s(k3_model_path):
     """The regression that started it: SM 10.x resolved page size 1 for `kda`, where TRT-LLM MLA needs 64."""
     assert _resolve(k3_model_path, "sm100", ["--attention-backend", "kda"]).resolved_dict()["page_size"] == 64
