@@ -39,7 +39,11 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
 
     def _why_unsupported(self) -> str | None:
         from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+        from sglang.srt.utils import is_hip
 
+        if is_hip():
+            # SGLang runs its own fused ROCm in-projection and decode there; the core's kernels are CUDA-only.
+            return "ROCm: SGLang's own ROCm projection serves"
         if not self.use_full_rank_gate:
             return "the layer has no full-rank gate (Kimi-Linear)"
         if self._bfa_w is None or self._bfa_f_b_w is None:

@@ -465,6 +465,16 @@ def test_unmerged_weights_keep_sglang_method(kda_backend_selected, kda_log, monk
     assert layer._kda_projection is None
 
 
+def test_rocm_keeps_sglang_method(kda_backend_selected, kda_log, monkeypatch):
+    """On ROCm SGLang fuses the in-projection itself: under ``kda`` its method still serves, with one warning."""
+    import sglang.srt.utils
+
+    monkeypatch.setattr(sglang.srt.utils, "is_hip", lambda: True)
+    layer = _build_layer()
+    assert layer._kda_projection is None
+    assert any("ROCm: SGLang's own ROCm projection serves" in m for m in kda_log.messages())
+
+
 def test_fork_follows_sglang_gate_in_capture_mode_and_breakable_graphs():
     """SGLang's own overlap gate: capture mode (warm-ups and capture) and breakable graphs; eager serving never."""
     from kda_sglang.injection import SglangHost
