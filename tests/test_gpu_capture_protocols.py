@@ -26,7 +26,7 @@ LAYERS = 3
 
 
 class _Host:
-    """An engine's answers to the host hooks; counts the forks it hands an aux stream to."""
+    """An engine's answers to the host hooks; counts the forks it allows (each overlapped call asks once)."""
 
     def __init__(self, vllm_like: bool) -> None:
         self.vllm_like = vllm_like
@@ -36,11 +36,12 @@ class _Host:
 
     @hookimpl
     def kda_host_fork_allowed(self, device):
-        return torch.cuda.is_current_stream_capturing() if self.vllm_like else self.capture_mode
+        allowed = torch.cuda.is_current_stream_capturing() if self.vllm_like else self.capture_mode
+        self.forks += allowed
+        return allowed
 
     @hookimpl
     def kda_host_aux_stream(self, device):
-        self.forks += 1
         return self.stream
 
 
