@@ -19,11 +19,10 @@ class VllmHost:
 
     @hookimpl
     def kda_host_fork_allowed(self, device: torch.device) -> bool:
-        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
-
-        # A breakable (piecewise) capture re-runs eager segments at replay: a fork there would not be joined.
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        return capturing and not BreakableCUDAGraphCapture.is_active()
+        # While a graph is being captured: a FULL graph, or the open segment of a breakable one. The projection joins
+        # its fork before returning and launches no eager break (this layer's only one is vLLM's _forward, after
+        # it), so the fork never spans a segment boundary. Never in eager runs, warm-ups, profiling or eager breaks.
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
     @hookimpl
     def kda_host_aux_stream(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -45,8 +44,9 @@ class VllmHost:
 
 
 def install() -> bool:
-    """Register the layer subclass through ``PluggableLayer.register_oot`` and the host plugin (both idempotent);
-    True if the layer was injected now, False if it already was or another plugin owns the seam."""
+    """Register the layer subclass through ``PluggableLayer.register_oot`` (idempotent); True if it was injected
+    now, False if it already was or another plugin owns the seam. The host plugin is registered by each layer when
+    its weights are loaded."""
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
     from vllm.platforms import current_platform
@@ -58,11 +58,15 @@ def install() -> bool:
         get_logger().info("vLLM on ROCm: kda-backend does not inject (CUDA only)")
         return False
     registered = op_registry_oot.get(KimiK3DeltaAttention.__name__)
-    if registered is not None and registered is not KdaBackendKimiK3DeltaAttention:
-        get_logger().warning("another plugin replaced KimiK3DeltaAttention (%s); kda-backend stays out", registered)
-        return False
-    register_plugin(VllmHost(), HOST_PLUGIN_NAME)
     if registered is KdaBackendKimiK3DeltaAttention:
+        return False
+    if registered is not None:
+        get_logger().warning("another plugin replaced KimiK3DeltaAttention (%s); kda-backend stays out", registered)
         return False
     KimiK3DeltaAttention.register_oot(KdaBackendKimiK3DeltaAttention)
     return True
+
+
+def register_host() -> None:
+    """Make vLLM's state answer the core's host hooks (idempotent)."""
+    register_plugin(VllmHost(), HOST_PLUGIN_NAME)

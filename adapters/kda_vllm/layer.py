@@ -2,27 +2,46 @@
 
 Everything else (weights, loaders, state specs, metadata, ``_forward``, o_proj) is vLLM's. The projection reads
 zero-copy views of ``in_proj_qkvgfab.weight`` ([q|k|v|g|f_a|beta|pad], the core's packed layout) and
-``f_b_proj.weight``, for any TP size that divides the heads. Quantized or non-bf16 projections keep vLLM's path.
+``f_b_proj.weight``, for any TP size that divides the heads. It is built, and its plan resolved and shared across
+the TP group, in vLLM's post-load hook for attention layers, on every rank at the same point of loading; a forward
+never communicates. Where the weights are not plain bf16 rows on the GPU vLLM's path serves, and one log line
+says why.
 """
 
 from __future__ import annotations
 
 import torch
 from einops import rearrange
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.offloader.base import NoopOffloader, get_offloader
 from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
 
-from kda_backend import KDAGeometry, KDAProjection, ProjectionWeights
+from kda_backend import KDAGeometry, KDAProjection, ProjectionWeights, build_projection
 from kda_backend.log import warn_once
-from kda_backend.planning import resolve_plan
+
+from kda_vllm.injection import register_host
+
+NOT_LOADED = "its weights were never processed (vLLM's process_weights_after_loading did not run for this layer)"
 
 
 class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
-    """Built by vLLM in place of ``KimiK3DeltaAttention`` (same constructor arguments)."""
+    """Built by vLLM in place of ``KimiK3DeltaAttention`` (same constructor arguments).
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._kda_projection: KDAProjection | None = None
-        self._kda_unsupported: str | None = None
+    :attr:`kda_projection` is the projection serving this layer, ``None`` where vLLM's own path serves;
+    :attr:`kda_vllm_path_reason` then says why.
+    """
+
+    def __init__(self, config, vllm_config, *args, **kwargs) -> None:
+        super().__init__(config, vllm_config, *args, **kwargs)
+        self._kda_compilation_config = vllm_config.compilation_config
+        # The projection forks onto the model's aux stream itself. vLLM's own overlap (forward's first branch,
+        # switched on by enable_kimi_k3_low_latency_gemm only for layers that hold an aux stream and events, which
+        # then also compiles its kernels at warm-up) stays off for this layer: no second fork, no unused kernels.
+        self._kda_aux_stream = self._projection_aux_stream
+        self._projection_aux_stream = None
+        self._projection_events = None
+        self.kda_projection: KDAProjection | None = None
+        self.kda_vllm_path_reason: str | None = NOT_LOADED
 
     def kda_geometry(self) -> KDAGeometry:
         return KDAGeometry(
@@ -30,42 +49,57 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
             tp_size=self.tp_size, conv_width=self.conv_size,
         )
 
-    def _why_unsupported(self) -> str | None:
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """vLLM's post-load hook for attention layers (``is_deferred_attention_layer``): called on every rank after
+        every linear's quant method processed its weights, and again after a weight reload. Builds the projection
+        over the weights vLLM keeps and resolves its plan here (the plan's TP broadcast is a collective)."""
+        register_host()
+        self.kda_projection = None
+        self.kda_vllm_path_reason = self._why_vllm_path()
+        if self.kda_vllm_path_reason is not None:
+            warn_once(f"vllm-path-{self.kda_vllm_path_reason}", f"vLLM path kept: {self.kda_vllm_path_reason}")
+            return
+        weights = ProjectionWeights.from_packed(self.in_proj_qkvgfab.weight, self.f_b_proj.weight, self.kda_geometry())
+        self.kda_projection = build_projection(
+            weights,
+            aux_stream=self._kda_aux_stream,
+            batch_sizes=self._kda_compilation_config.cudagraph_capture_sizes or (),
+        )
+
+    def _why_vllm_path(self) -> str | None:
+        """Why the projection cannot serve from the tensors vLLM keeps, or ``None`` where it can. Depends only on
+        the configuration and shapes, so every rank of a TP group decides alike (the plan broadcast needs all)."""
+        offloader = get_offloader()
+        if not isinstance(offloader, NoopOffloader):
+            return f"vLLM offloads weights to the CPU ({type(offloader).__name__}); kda-backend serves resident ones"
         for name in ("in_proj_qkvgfab", "f_b_proj"):
             linear = getattr(self, name)
-            if type(linear.quant_method).__name__ != "UnquantizedLinearMethod":
-                return f"{name} is quantized ({type(linear.quant_method).__name__})"
+            method = type(linear.quant_method)
+            # Any unquantized method (vLLM's Kimi-K3 low-latency one is a subclass) keeps plain [out, in] rows, as
+            # long as it processes weights after loading as UnquantizedLinearMethod does (not at all on CUDA).
+            if not issubclass(method, UnquantizedLinearMethod):
+                return f"{name} is quantized ({method.__name__})"
+            if method.process_weights_after_loading is not UnquantizedLinearMethod.process_weights_after_loading:
+                return f"{name}: {method.__name__} changes its weights after loading; their layout is unknown"
             if linear.weight.dtype != torch.bfloat16:
                 return f"{name} weight is {linear.weight.dtype}, not bfloat16"
-        g = self.kda_geometry()
-        if tuple(self.in_proj_qkvgfab.weight.shape) != (g.packed_rows, g.hidden_size):
-            return f"in_proj_qkvgfab is {tuple(self.in_proj_qkvgfab.weight.shape)}, not the packed layout"
+        try:
+            ProjectionWeights.from_packed(self.in_proj_qkvgfab.weight, self.f_b_proj.weight, self.kda_geometry())
+        except ValueError as exc:
+            return f"in_proj_qkvgfab / f_b_proj are not the packed layout: {exc}"
         return None
 
-    def kda_projection(self) -> KDAProjection | None:
-        """The core's projection over this layer's weights (built on first use, i.e. in vLLM's eager warm-up,
-        before any graph is captured); ``None`` where vLLM's own path must serve."""
-        if self._kda_projection is None and self._kda_unsupported is None:
-            self._kda_unsupported = self._why_unsupported()
-            if self._kda_unsupported is not None:
-                warn_once(f"vllm-unsupported-{self._kda_unsupported}", f"vLLM path kept: {self._kda_unsupported}")
-                return None
-            g = self.kda_geometry()
-            weights = ProjectionWeights.from_packed(self.in_proj_qkvgfab.weight, self.f_b_proj.weight, g)
-            plan = resolve_plan(g, weights.device, weights.dtype)
-            self._kda_projection = KDAProjection(weights, plan, aux_stream=self._projection_aux_stream)
-            if weights.device.type == "cuda":
-                self._kda_projection.prepare(sorted(plan.steps) or [1])
-        return self._kda_projection
-
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        projection = self.kda_projection()
+        """``hidden_states [M, hidden]`` -> ``[M, hidden]``: vLLM's forward with the projection stage replaced."""
+        projection = self.kda_projection
         if projection is None:
+            warn_once(f"vllm-path-{self.kda_vllm_path_reason}", f"vLLM path kept: {self.kda_vllm_path_reason}")
             return super().forward(hidden_states, positions)
         num_tokens = hidden_states.size(0)
         qkvg, g1, beta = projection(hidden_states)
         mixed_qkv, g_proj_states = qkvg.split([3 * self.local_projection_size, self.local_projection_size], dim=-1)
-        # The rest hands vLLM's _forward and o_proj the same tensors vLLM's own forward does (a test checks it).
+        # From here on vLLM's forward, unchanged: _forward and o_proj get the tensors vLLM's own projection hands
+        # them (tests/engines/test_vllm_adapter.py records and compares them).
         beta = beta.unsqueeze(0)
         g1 = rearrange(g1, "n (h d) -> 1 n h d", d=self.head_dim)
         g2 = rearrange(g_proj_states, "... (h d) -> ... h d", d=self.head_dim)
