@@ -1,11 +1,27 @@
-"""The ``kda-backend`` command line: ``doctor``, ``autotune``, ``bench``, ``plot``."""
+"""The ``kda-backend`` command line: ``doctor``, ``autotune``, ``bench``, ``plot``.
+
+Every user error (an argument, a file, an environment variable) ends the command with exit status 2 and one line
+on stderr naming the input, its value and what is accepted, never a traceback; arguments are checked before any
+GPU work.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
+
+from kda_backend.geometry import PRESETS
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (``kda-backend bench: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -19,17 +35,43 @@ def _doctor(args: argparse.Namespace) -> int:
 def _geometry(args: argparse.Namespace):
     from kda_backend.geometry import preset
 
-    return preset(args.preset, args.tp)
+    try:
+        return preset(args.preset, args.tp)
+    except ValueError as exc:
+        raise ValueError(f"--tp {args.tp}: {exc}") from None
 
 
 def _ms(text: str) -> tuple[int, ...]:
     try:
         ms = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--ms wants comma-separated integers, got {text!r}") from None
+        ms = ()
     if not ms or ms[0] < 1:
-        raise argparse.ArgumentTypeError("--ms values must be >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: comma-separated integers >= 1")
     return ms
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: an integer >= 1")
+    return value
+
+
+def _writable_folder(path: Path) -> Path:
+    """``path`` as a folder a file can be written in (created if missing), else ``OSError``/``ValueError``."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path}: not a folder; accepted: a folder (created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out {path}: cannot write there ({exc.strerror}); accepted: a writable folder") from None
+    return path
 
 
 def _no_cuda() -> int:
@@ -38,6 +80,7 @@ def _no_cuda() -> int:
 
 
 def _autotune(args: argparse.Namespace) -> int:
+    geometry = _geometry(args)
     import torch
 
     if not torch.cuda.is_available():
@@ -45,7 +88,7 @@ def _autotune(args: argparse.Namespace) -> int:
     from kda_backend import autotune, plan_store, planning
     from kda_backend.batch_sizes import engine_batch_sizes
 
-    geometry = _geometry(args)
+    plan_store.check_writable()  # before minutes of tuning whose result could not be stored
     device = torch.device("cuda", torch.cuda.current_device())
     ms = args.ms or engine_batch_sizes(args.engine, args.max_m)
     plan, tactics = autotune.autotune(geometry, device, ms, progress=print)
@@ -57,6 +100,8 @@ def _autotune(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    geometry = _geometry(args)
+    out = _writable_folder(Path(args.out))
     import torch
 
     if not torch.cuda.is_available():
@@ -71,36 +116,87 @@ def _bench(args: argparse.Namespace) -> int:
         tick = bar.update
     except ImportError:
         bar, tick = None, lambda: print(".", end="", flush=True, file=sys.stderr)
-    results = bench.run_bench(_geometry(args), ms, tick=tick)
+    results = bench.run_bench(geometry, ms, tick=tick)
     if bar is not None:
         bar.close()
     print(bench.render_table(results))
-    out = Path(args.out)
     bench.save_json(results, out / "bench.json")
     print(f"results: {out / 'bench.json'}")
     return _plot_into(results, out / "bench.png")
 
 
-def _plot_into(results, path: Path) -> int:
+def _plot_into(results, path: Path, required: bool = False) -> int:
+    """Write the plot; without matplotlib say so (an error when the plot is all that was asked for)."""
     from kda_backend import bench
 
     try:
         bench.write_plot(results, path)
     except ImportError:
+        if required:
+            raise ValueError("matplotlib is not installed; accepted: `pip install matplotlib` first") from None
         print(f"matplotlib is not installed: no plot; later: kda-backend plot {path.with_suffix('.json')}",
               file=sys.stderr)
         return 0
+    except OSError as exc:
+        raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path.with_suffix('.json')}: rows hold values the plot cannot draw ({exc!r}); accepted: "
+                         "a bench.json written by `kda-backend bench`") from None
     print(f"plot: {path}")
     return 0
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A ``bench.json`` with what the plot needs, else ``ValueError`` naming the file and the problem."""
+    accepted = "accepted: a bench.json written by `kda-backend bench`"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file; {accepted}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc}); {accepted}") from None
+    if not text.strip():
+        raise ValueError(f"{path}: empty file; {accepted}")
+    try:
+        results = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc}); {accepted}") from None
+    problem = _results_problem(results)
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}; {accepted}")
+    return results
+
+
+def _results_problem(results: Any) -> str | None:
+    """What the plot needs and ``results`` lacks, or ``None``."""
+    if not isinstance(results, dict):
+        return "not an object"
+    if not isinstance(results.get("device"), str):
+        return "no 'device' string"
+    geometry = results.get("geometry")
+    if not isinstance(geometry, dict) or not isinstance(geometry.get("tp_size"), int):
+        return "no 'geometry' with an integer 'tp_size'"
+    rows = results.get("rows")
+    if not isinstance(rows, list) or not rows:
+        return "no non-empty 'rows' list"
+    for i, row in enumerate(rows):
+        m = row.get("m") if isinstance(row, dict) else None
+        if not (isinstance(m, int) and not isinstance(m, bool) and m > 0 and _number(row.get("floor"))):
+            return f"rows[{i}] has no positive integer 'm' and number 'floor'"
+    return None
+
+
 def _plot(args: argparse.Namespace) -> int:
     path = Path(args.results)
-    return _plot_into(json.loads(path.read_text()), path.with_suffix(".png"))
+    return _plot_into(read_results(path), path.with_suffix(".png"), required=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kda-backend", description="Kimi-K3 KDA projection backend")
+    parser = _Parser(prog="kda-backend", description="Kimi-K3 KDA projection backend")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="report environment, kernels, engines and the autotune cache")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
@@ -111,12 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench", _bench, "time the projection stage vs sequential cuBLAS, the peers' design and the HBM floor"),
     ):
         cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("--preset", default="kimi-k3", help="model geometry preset (default kimi-k3)")
-        cmd.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
+        cmd.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS),
+                         help="model geometry preset (default kimi-k3)")
+        cmd.add_argument("--tp", type=_positive_int, default=8,
+                         help="tensor-parallel size, a divisor of the heads (default 8)")
         cmd.add_argument("--ms", type=_ms, default=None,
                          help="comma-separated token counts M (default: every batch size both engines capture)")
         cmd.set_defaults(func=func)
-    sub.choices["autotune"].add_argument("--max-m", type=int, default=256, help="largest M to tune (default 256)")
+    sub.choices["autotune"].add_argument("--max-m", type=_positive_int, default=256,
+                                         help="largest M to tune (default 256)")
     sub.choices["autotune"].add_argument(
         "--engine", choices=("vllm", "sglang", "all"), default="all",
         help="tune the default CUDA-graph batch sizes of this engine (default: both); --ms overrides",
@@ -131,7 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:  # a user's input or file: one line, never a traceback
+        message = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else str(exc)
+        print(f"kda-backend {args.command}: {' '.join(message.split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """``kda-backend doctor``: what this machine has and whether each engine would find the plugin.
 
 Nothing here imports an engine or a kernel library: versions come from package metadata, so the report is fast
-and works on a machine without a GPU.
+and works on a machine without a GPU. It also works on a misconfigured one: a bad environment variable, a cache
+folder that cannot be one, or a plugin that was dropped is reported as a row, never raised.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 import kda_backend
+from kda_backend import env, plugins
 from kda_backend.plugins import hooks, plugin_names
 
 ENGINE_ENTRY_POINTS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
@@ -23,6 +25,8 @@ OPTIONAL_PACKAGES = {
     "fla": ("fla-core", "fla"),
     "flashinfer": ("flashinfer-python", "flashinfer"),
 }
+# Providers that serve only where an optional package is installed (key of OPTIONAL_PACKAGES).
+PROVIDER_PACKAGES = {"cute": "cute_dsl", "flashinfer": "flashinfer"}
 
 
 def _version(dist: str) -> str | None:
@@ -53,33 +57,67 @@ def _engines() -> dict[str, Any]:
     engines = {}
     for engine, group in ENGINE_ENTRY_POINTS.items():
         ours = [ep for ep in md.entry_points(group=group) if ep.name == "kda_backend"]
+        version = _version(engine)
         engines[engine] = {
-            "version": _version(engine),
+            "version": version,
             "entry_point_group": group,
-            "plugin_discoverable": bool(ours),
+            # An engine that is not installed discovers nothing, whatever this package declares.
+            "plugin_discoverable": bool(ours) and version is not None,
             "entry_point": ours[0].value if ours else None,
         }
     return engines
 
 
 def _cache() -> dict[str, Any]:
-    path = hooks.cache_dir()
+    try:
+        path = hooks.cache_dir()
+    except ValueError as exc:
+        return {"dir": None, "exists": False, "plans": [], "error": str(exc)}
     files = sorted(p.name for p in path.glob("*.json")) if path.is_dir() else []
     return {"dir": str(path), "exists": path.is_dir(), "plans": files}
 
 
+def _providers(packages: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """Registered providers that can serve on this installation, and why each other one cannot."""
+    available, unavailable = [], {}
+    for provider in hooks.gemm_providers():
+        package = PROVIDER_PACKAGES.get(provider.name)
+        if package is None or packages[package]["importable"]:
+            available.append(provider.name)
+        else:
+            unavailable[provider.name] = f"{OPTIONAL_PACKAGES[package][0]} is not installed"
+    return available, unavailable
+
+
+def _environment() -> dict[str, str]:
+    """Set ``KDA_BACKEND_*`` variables whose value is refused, with the message using them would give."""
+    from kda_backend import dispatch
+
+    problems = env.problems()
+    try:
+        dispatch.forced_providers()
+    except ValueError as exc:
+        problems["KDA_BACKEND_PROVIDER"] = str(exc)
+    return problems
+
+
 def collect() -> dict[str, Any]:
     """The whole report as JSON-compatible data."""
+    packages = {key: _package(dist, module) for key, (dist, module) in OPTIONAL_PACKAGES.items()}
+    providers, unavailable = _providers(packages)
     return {
         "kda_backend": kda_backend.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
         "cuda": _cuda(),
-        "packages": {key: _package(dist, module) for key, (dist, module) in OPTIONAL_PACKAGES.items()},
+        "packages": packages,
         "engines": _engines(),
         "plugins": plugin_names(),
-        "providers": [p.name for p in hooks.gemm_providers()],
+        "plugins_dropped": plugins.dropped(),
+        "providers": providers,
+        "providers_unavailable": unavailable,
+        "environment": _environment(),
         "cache": _cache(),
     }
 
@@ -100,12 +138,21 @@ def render(report: dict[str, Any]) -> str:
     for key, pkg in report["packages"].items():
         rows.append((key, pkg["version"] or "not installed"))
     for engine, info in report["engines"].items():
+        if info["version"] is None:
+            rows.append((engine, "not installed"))
+            continue
         found = "plugin discoverable" if info["plugin_discoverable"] else "plugin not registered"
-        rows.append((engine, f"{info['version'] or 'not installed'}; {found} ({info['entry_point_group']})"))
+        rows.append((engine, f"{info['version']}; {found} ({info['entry_point_group']})"))
     rows.append(("plugins", ", ".join(report["plugins"])))
+    rows += [("plugin dropped", f"{name}: {why}") for name, why in report["plugins_dropped"].items()]
     rows.append(("providers", ", ".join(report["providers"])))
+    rows += [("unavailable", f"{name}: {why}") for name, why in report["providers_unavailable"].items()]
+    rows += [("env error", message) for message in report["environment"].values()]
     cache = report["cache"]
     plans = ", ".join(cache["plans"]) or "no plans"
-    rows.append(("cache", f"{cache['dir']} ({plans})" if cache["exists"] else f"{cache['dir']} (absent)"))
+    if "error" in cache:
+        rows.append(("cache", cache["error"]))
+    else:
+        rows.append(("cache", f"{cache['dir']} ({plans})" if cache["exists"] else f"{cache['dir']} (absent)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

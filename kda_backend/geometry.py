@@ -39,7 +39,7 @@ class KDAGeometry:
         for name in ("hidden_size", "num_heads", "head_dim", "tp_size", "conv_width", "row_multiple"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"KDAGeometry.{name} must be a positive int, got {value!r}")
+                raise ValueError(f"KDAGeometry.{name}: {value!r} ({type(value).__name__}); accepted: a positive int")
         if self.num_heads % self.tp_size:
             raise ValueError(
                 f"tp_size={self.tp_size} does not divide num_heads={self.num_heads}; "

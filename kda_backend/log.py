@@ -4,35 +4,53 @@ loggers do not propagate foreign records (vLLM)."""
 from __future__ import annotations
 
 import logging
+import threading
 
 from kda_backend import env
 
 _LOGGER_NAME = "kda_backend"
 _warned: set[str] = set()
+_setup_lock = threading.Lock()
 
 
 def get_logger() -> logging.Logger:
+    """The ``kda_backend`` logger, set up on first use at ``KDA_BACKEND_LOG_LEVEL`` (INFO, with one warning, when
+    that value is not a level)."""
     logger = logging.getLogger(_LOGGER_NAME)
     if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[kda-backend] %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-        logger.setLevel(env.get("KDA_BACKEND_LOG_LEVEL").upper())
+        with _setup_lock:
+            if not logger.handlers:
+                level, problem = env.log_level()
+                handler = logging.StreamHandler()
+                handler.setFormatter(logging.Formatter("[kda-backend] %(levelname)s %(message)s"))
+                logger.setLevel(level)
+                logger.propagate = False
+                logger.addHandler(handler)
+                if problem:
+                    logger.warning(problem)
     return logger
+
+
+def _first(key: str) -> bool:
+    if key in _warned:
+        return False
+    _warned.add(key)
+    return True
 
 
 def warn_once(key: str, message: str) -> None:
     """Log ``message`` as a warning the first time ``key`` is seen in this process."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    get_logger().warning(message)
+    if _first(key):
+        get_logger().warning(message)
+
+
+def error_once(key: str, message: str) -> None:
+    """Log ``message`` as an error the first time ``key`` is seen in this process."""
+    if _first(key):
+        get_logger().error(message)
 
 
 def debug_once(key: str, message: str) -> None:
     """Log ``message`` at DEBUG the first time ``key`` is seen in this process."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    get_logger().debug(message)
+    if _first(key):
+        get_logger().debug(message)

@@ -5,17 +5,48 @@ tuned M: its kernels were tuned for at least as many tokens (the CuTe tactics co
 M's bucket covers), and both engines pad a batch up to the next captured size anyway, so that step is the one that
 runs. Above the largest tuned M the plan's ``fallback`` step serves (by default sequential with providers chosen
 automatically by :mod:`kda_backend.dispatch`; ``"auto"`` as a provider name means the same).
+
+Plans arrive from files, from the environment and from other ranks (``kda_share_plan``), so :meth:`Plan.from_json`
+and :meth:`Step.from_json` read a typed schema: an unknown field, a value of the wrong JSON type (``"false"`` for a
+bool, ``5`` for a provider name), an M that is not a positive integer, or (given the registered names) a provider
+that is not registered raises :class:`PlanError` naming the field, the value and what is accepted.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import re
+from collections.abc import Collection
 from typing import Any
 
 from kda_backend.providers.base import ROLES
 
 AUTO = "auto"
+STEP_FIELDS = ("overlap", *ROLES)
+PLAN_FIELDS = ("source", "fallback", "steps")
+_M_KEY = re.compile(r"[1-9][0-9]*")
+
+
+class PlanError(ValueError):
+    """Plan data that does not follow the schema; the message names the field, the value and what is accepted."""
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of ``value``'s type, for messages."""
+    names = {bool: "a bool", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def require_object(where: str, data: Any, fields: Collection[str]) -> dict[str, Any]:
+    """``data`` as an object whose keys are all in ``fields``, else :class:`PlanError`."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: {json_type(data)}; accepted: an object with fields {', '.join(fields)}")
+    unknown = sorted(str(k) for k in data if k not in fields)
+    if unknown:
+        raise PlanError(f"{where}: unknown fields {unknown}; accepted: {', '.join(fields)}")
+    return data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +74,28 @@ class Step:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Step:
-        unknown = set(data) - {"overlap", *ROLES}
-        if unknown:
-            raise ValueError(f"plan step has unknown fields {sorted(unknown)}")
-        return cls(overlap=bool(data.get("overlap", False)), **{r: str(data.get(r, AUTO)) for r in ROLES})
+    def from_json(cls, data: Any, providers: Collection[str] | None = None, where: str = "step") -> Step:
+        """A step from its JSON object: ``overlap`` a JSON bool, each role a provider name (missing fields take
+        their defaults).
+
+        :param providers: the registered provider names; ``None`` accepts any non-empty name.
+        :param where: how messages name this step (e.g. ``steps['4']``).
+        :raises PlanError: an unknown or ill-typed field, or a provider that is not registered.
+        """
+        data = require_object(where, data, STEP_FIELDS)
+        overlap = data.get("overlap", False)
+        if not isinstance(overlap, bool):
+            raise PlanError(f"{where}.overlap: {overlap!r} is {json_type(overlap)}; accepted: true or false")
+        names = {}
+        for role in ROLES:
+            name = data.get(role, AUTO)
+            accepted = f"{AUTO!r} or a registered provider" + (f" ({', '.join(sorted(providers))})" if providers else "")
+            if not isinstance(name, str) or not name:
+                raise PlanError(f"{where}.{role}: {name!r} is {json_type(name)}; accepted: {accepted}")
+            if providers is not None and name != AUTO and name not in providers:
+                raise PlanError(f"{where}.{role}: provider {name!r} is not registered; accepted: {accepted}")
+            names[role] = name
+        return cls(overlap=overlap, **names)
 
 
 DEFAULT_STEP = Step()
@@ -88,12 +136,32 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Plan:
-        steps = {int(m): Step.from_json(s) for m, s in data["steps"].items()}
-        if any(m <= 0 for m in steps):
-            raise ValueError("plan steps must be for M >= 1")
-        fallback = Step.from_json(data["fallback"]) if "fallback" in data else DEFAULT_STEP
-        return cls(steps=steps, source=str(data.get("source", "file")), fallback=fallback)
+    def from_json(cls, data: Any, providers: Collection[str] | None = None, where: str = "plan") -> Plan:
+        """A plan from :meth:`to_json`'s data: ``steps`` an object keyed by M (positive integers, as JSON object
+        keys), ``fallback`` a step, ``source`` a string.
+
+        :param providers: the registered provider names; ``None`` accepts any non-empty name.
+        :param where: how messages name this plan.
+        :raises PlanError: an unknown, missing or ill-typed field.
+        """
+        data = require_object(where, data, PLAN_FIELDS)
+        if "steps" not in data:
+            raise PlanError(f"{where}: no 'steps'; accepted: an object with fields {', '.join(PLAN_FIELDS)}")
+        raw = data["steps"]
+        if not isinstance(raw, dict):
+            raise PlanError(f"{where}.steps: {json_type(raw)}; accepted: an object keyed by M (\"1\", \"2\", ...)")
+        steps = {}
+        for m, step in raw.items():
+            if not (isinstance(m, int) and not isinstance(m, bool) and m > 0) and not (
+                isinstance(m, str) and _M_KEY.fullmatch(m)
+            ):
+                raise PlanError(f"{where}.steps: key {m!r} is not an M; accepted: positive integers (\"1\", \"16\")")
+            steps[int(m)] = Step.from_json(step, providers, f"{where}.steps[{str(m)!r}]")
+        fallback = Step.from_json(data["fallback"], providers, f"{where}.fallback") if "fallback" in data else DEFAULT_STEP
+        source = data.get("source", "file")
+        if not isinstance(source, str):
+            raise PlanError(f"{where}.source: {source!r} is {json_type(source)}; accepted: a string")
+        return cls(steps=steps, source=source, fallback=fallback)
 
     @classmethod
     def uniform(cls, max_m: int, step: Step, source: str = "forced") -> Plan:

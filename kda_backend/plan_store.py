@@ -1,12 +1,14 @@
 """Persisted autotune state: one JSON file per key, written atomically under a file lock.
 
 The key says everything that changes the answer: device name and compute capability, per-rank geometry, dtype,
-and the versions of kda-backend, torch and the CuTe DSL. A file whose key differs, or that is corrupt or
-truncated, is ignored with one warning (never a crash). Writers take an exclusive ``fcntl`` lock on a sibling
-``.lock`` file and replace the JSON with ``os.replace``, so concurrent ranks never leave a torn file; readers take
-no lock and write nothing.
+and the versions of kda-backend, torch and the CuTe DSL. A file whose key differs, or that is corrupt, truncated or
+outside the schema, is ignored with one warning naming the file and the problem (never a crash). Writers take an
+exclusive ``fcntl`` lock on a sibling ``.lock`` file (waiting at most :data:`LOCK_TIMEOUT_S`, then a clear error)
+and replace the JSON with ``os.replace``, so concurrent ranks never leave a torn file; a writer also removes temp
+files that writers killed mid-save left behind. Readers take no lock and write nothing, so a read-only cache folder
+serves its plans and a stalled writer never blocks a reader.
 
-File content::
+File content (every field typed and checked on reading, see :func:`parse`)::
 
     {"format": 1, "key": {...}, "plan": Plan.to_json(), "tactics": [{"role", "n", "k", "bucket", "tactic"}]}
 
@@ -23,7 +25,9 @@ import hashlib
 import importlib.metadata as md
 import json
 import os
+import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +35,22 @@ import torch
 
 import kda_backend
 from kda_backend.geometry import KDAGeometry
-from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.kernels.skinny_gemm import Tactic, tactic_bucket, validate_tactic
 from kda_backend.log import warn_once
-from kda_backend.plan import Plan
-from kda_backend.plugins import hooks
+from kda_backend.plan import Plan, PlanError, json_type, require_object
+from kda_backend.plugins import folder_problem, hooks
+from kda_backend.providers.base import ROLES
 
 FORMAT = 1
+FILE_FIELDS = ("format", "key", "plan", "tactics")
+TACTIC_ROW_FIELDS = ("role", "n", "k", "bucket", "block_t", "tactic")
+# Field -> JSON type of a tactic, from the dataclass defaults (every field is an int or a bool).
+TACTIC_FIELDS = {f.name: type(f.default) for f in dataclasses.fields(Tactic)}
+BUCKETS = tuple(sorted({tactic_bucket(m) for m in range(1, 65)}))
+# A writer holds the lock for one small JSON write (milliseconds); one held this long belongs to a stalled process.
+LOCK_TIMEOUT_S = 30.0
+# Temp files older than this belong to a writer that died mid-save (a live one replaces its file in milliseconds).
+STALE_TMP_S = 60.0
 TacticTable = dict[tuple[str, int, int, int], Tactic]
 
 
@@ -67,19 +81,59 @@ def device_key(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype) 
 def plan_path(key: dict[str, Any], folder: Path | None = None) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     g = key["geometry"]
-    name = f"plan-{key['device'].replace(' ', '_')}-tp{g['tp_size']}-{digest}.json"
-    return (folder or hooks.cache_dir()) / name
+    device = re.sub(r"[^A-Za-z0-9_.-]", "_", key["device"])
+    return (folder or hooks.cache_dir()) / f"plan-{device}-tp{g['tp_size']}-{digest}.json"
+
+
+def key_differences(found: dict[str, Any], expected: dict[str, Any], exact: bool = True) -> list[str]:
+    """``field: file X, here Y`` for each field ``found`` has otherwise than ``expected`` (nested fields dotted,
+    e.g. ``geometry.tp_size``; a missing one is ``None``). ``exact=False`` compares only ``expected``'s fields."""
+    fields = list(expected) + ([f for f in found if f not in expected] if exact else [])
+    differences = []
+    for field in fields:
+        value, other = expected.get(field), found.get(field)
+        if isinstance(value, dict) and isinstance(other, dict):
+            differences += [f"{field}.{d}" for d in key_differences(other, value, exact)]
+        elif other != value:
+            differences.append(f"{field}: file {other!r}, here {value!r}")
+    return differences
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def _locked(path: Path, timeout: float):
+    """Hold the exclusive lock of ``path``'s writers, waiting at most ``timeout`` seconds."""
+    lock_path = path.with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot store plans in {path.parent}: {exc.strerror}; accepted: a folder this "
+                      "process may write (KDA_BACKEND_CACHE_DIR)") from exc
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"plan store: waited {timeout:g} s for {lock_path}, which another writer holds (a stalled "
+                        "process?); the plan was not stored"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    """Delete the temp files of writers killed mid-save (older than :data:`STALE_TMP_S`)."""
+    now = time.time()
+    for tmp in folder.glob("plan-*.json*.tmp"):
+        with contextlib.suppress(FileNotFoundError):  # another writer removed it first
+            if now - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
 
 
 def tactics_to_json(tactics: TacticTable) -> list[dict[str, Any]]:
@@ -89,19 +143,148 @@ def tactics_to_json(tactics: TacticTable) -> list[dict[str, Any]]:
     ]
 
 
-def tactics_from_json(rows: list[dict[str, Any]]) -> TacticTable:
-    def bucket(row: dict[str, Any]) -> int:
-        return int(row["bucket"] if "bucket" in row else row["block_t"])
+def _positive_int(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{where}: {value!r} is {json_type(value)}; accepted: a positive integer")
+    return value
 
-    return {(r["role"], int(r["n"]), int(r["k"]), bucket(r)): Tactic(**r["tactic"]) for r in rows}
+
+def tactic_from_json(data: Any, n: int, k: int, where: str = "tactic") -> Tactic:
+    """A tactic from its JSON object: integer and bool fields of :class:`Tactic` (missing ones take their
+    defaults), which :func:`~kda_backend.kernels.skinny_gemm.validate_tactic` accepts for an ``[n, k]`` weight.
+
+    :raises PlanError: an unknown or ill-typed field, or a tactic the kernel cannot run.
+    """
+    data = require_object(where, data, TACTIC_FIELDS)
+    for field, value in data.items():
+        kind = TACTIC_FIELDS[field]
+        if type(value) is not kind:
+            accepted = "true or false" if kind is bool else "an integer"
+            raise PlanError(f"{where}.{field}: {value!r} is {json_type(value)}; accepted: {accepted}")
+    tactic = Tactic(**data)
+    reason = validate_tactic(tactic, n, k, k)
+    if reason is not None:
+        raise PlanError(f"{where}: {reason}")
+    return tactic
 
 
-def save(key: dict[str, Any], plan: Plan, tactics: TacticTable, folder: Path | None = None) -> Path:
-    """Write the plan for ``key`` atomically; returns the file path."""
+def tactics_from_json(rows: Any, where: str = "tactics") -> TacticTable:
+    """The tactic table from :func:`tactics_to_json`'s rows.
+
+    :raises PlanError: a row that is not an object of the fields below, or an invalid tactic.
+    """
+    if not isinstance(rows, list):
+        raise PlanError(f"{where}: {json_type(rows)}; accepted: a list of objects")
+    table: TacticTable = {}
+    for i, row in enumerate(rows):
+        at = f"{where}[{i}]"
+        row = require_object(at, row, TACTIC_ROW_FIELDS)
+        role = row.get("role")
+        if role not in ROLES:
+            raise PlanError(f"{at}.role: {role!r}; accepted: {', '.join(ROLES)}")
+        n, k = _positive_int(f"{at}.n", row.get("n")), _positive_int(f"{at}.k", row.get("k"))
+        bucket_field = "bucket" if "bucket" in row else "block_t"
+        bucket = row.get(bucket_field)
+        if isinstance(bucket, bool) or bucket not in BUCKETS:
+            raise PlanError(f"{at}.{bucket_field}: {bucket!r}; accepted: {', '.join(map(str, BUCKETS))}")
+        table[(role, n, k, bucket)] = tactic_from_json(row.get("tactic"), n, k, f"{at}.tactic")
+    return table
+
+
+def provider_names() -> set[str]:
+    """Names of the registered GEMM providers (what a plan may name)."""
+    return {p.name for p in hooks.gemm_providers()}
+
+
+def parse(data: Any) -> tuple[dict[str, Any], Plan, TacticTable]:
+    """A plan file's content as (key, plan, tactics).
+
+    :raises PlanError: any field outside the schema (see the module docstring), a provider that is not registered.
+    """
+    data = require_object("file", data, FILE_FIELDS)
+    if data.get("format") != FORMAT:
+        raise PlanError(f"format: {data.get('format')!r}; accepted: {FORMAT}")
+    key = data.get("key")
+    if not isinstance(key, dict):
+        raise PlanError(f"key: {json_type(key)}; accepted: an object (what the plan was tuned for)")
+    plan = Plan.from_json(data.get("plan"), provider_names())
+    return key, plan, tactics_from_json(data.get("tactics", []))
+
+
+def shared_from_json(data: Any) -> tuple[Plan, TacticTable]:
+    """A plan as :func:`~kda_backend.planning.share` passes it between ranks: ``{"plan": ..., "tactics": ...}``.
+
+    :raises PlanError: a missing, unknown or ill-typed field.
+    """
+    data = require_object("shared plan", data, ("plan", "tactics"))
+    if set(data) != {"plan", "tactics"}:
+        raise PlanError(f"shared plan: fields {sorted(data)}; accepted: plan and tactics")
+    return Plan.from_json(data["plan"], provider_names()), tactics_from_json(data["tactics"])
+
+
+def read_file(path: Path) -> tuple[dict[str, Any], Plan, TacticTable]:
+    """A plan file as (key, plan, tactics), without taking the lock or writing anything: writers replace the file
+    atomically, so a reader sees a whole old or a whole new file.
+
+    :raises OSError: the file cannot be read (``FileNotFoundError`` when it does not exist).
+    :raises PlanError: it is empty, not JSON or outside the schema.
+    """
+    text = path.read_bytes()
+    if not text.strip():
+        raise PlanError("empty file")
+    try:
+        data = json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"not JSON ({exc})") from None
+    except RecursionError:
+        raise PlanError("JSON nested too deeply to be a plan") from None
+    return parse(data)
+
+
+def check_writable(folder: Path | None = None) -> Path:
+    """The plan folder (the cache folder by default), created if missing, after proving a file can be written in
+    it: what a caller checks before minutes of tuning whose result it will store.
+
+    :raises ValueError: the folder is a file, a dangling symbolic link or a link loop.
+    :raises OSError: it cannot be created or written.
+    """
+    folder = folder or hooks.cache_dir()
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise ValueError(f"cannot store plans in {folder}: {problem}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot store plans in {folder}: {exc.strerror}; accepted: a folder this "
+                      "process may write (KDA_BACKEND_CACHE_DIR)") from exc
+    return folder
+
+
+def save(
+    key: dict[str, Any], plan: Plan, tactics: TacticTable, folder: Path | None = None,
+    lock_timeout: float = LOCK_TIMEOUT_S,
+) -> Path:
+    """Write the plan for ``key`` atomically; returns the file path.
+
+    :raises ValueError: the folder is a file, a dangling symbolic link or a link loop.
+    :raises OSError: the folder cannot be written; ``TimeoutError`` when another writer holds the lock longer
+        than ``lock_timeout`` seconds.
+    """
     path = plan_path(key, folder)
+    problem = folder_problem(path.parent)
+    if problem is not None:
+        raise ValueError(f"cannot store plans in {path.parent}: {problem}")
     data = {"format": FORMAT, "key": key, "plan": plan.to_json(), "tactics": tactics_to_json(tactics)}
-    with _locked(path):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with _locked(path, lock_timeout):
+        _remove_stale_temps(path.parent)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot store plans in {path.parent}: {exc.strerror}") from exc
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
@@ -114,23 +297,23 @@ def save(key: dict[str, Any], plan: Plan, tactics: TacticTable, folder: Path | N
 
 
 def load_file(path: Path, key: dict[str, Any] | None = None) -> tuple[Plan, TacticTable] | None:
-    """Read a plan file; ``None`` (with one warning) if it is unreadable, corrupt or made for another key."""
+    """Read a plan file; ``None`` (with one warning naming the file and the problem) if it is unreadable, outside
+    the schema or made for another key; ``None`` silently if it does not exist."""
     try:
-        # Writers replace the file atomically, so a reader sees a whole old or a whole new file without the lock
-        # (and never writes: a read-only cache folder serves its plans).
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"not a plan file of format {FORMAT}")
-        if key is not None and data.get("key") != key:
-            mismatched = sorted(k for k in key if data.get("key", {}).get(k) != key[k])
-            warn_once(f"plan-mismatch-{path}", f"ignoring plan {path}: made for another {', '.join(mismatched)}")
-            return None
-        return Plan.from_json(data["plan"]), tactics_from_json(data.get("tactics", []))
+        found, plan, tactics = read_file(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        warn_once(f"plan-corrupt-{path}", f"ignoring unreadable plan {path}: {type(exc).__name__}: {exc}")
+    except (OSError, PlanError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        warn_once(f"plan-corrupt-{path}", f"ignoring unreadable plan {path}: {reason}")
         return None
+    if key is not None and found != key:
+        differences = key_differences(found, key)
+        fields = sorted({d.split(":")[0].split(".")[0] for d in differences})
+        warn_once(f"plan-mismatch-{path}", f"ignoring plan {path}: made for another {', '.join(fields)} "
+                  f"({'; '.join(differences)})")
+        return None
+    return plan, tactics
 
 
 def load(key: dict[str, Any], folder: Path | None = None) -> tuple[Plan, TacticTable] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,18 +17,28 @@ from kda_backend import env, plan_store
 from kda_backend.batch_sizes import MAX_TUNED_M, spans
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import get_logger, warn_once
-from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+from kda_backend.plan import SEQUENTIAL_TORCH, Plan, PlanError, Step
 from kda_backend.plan_store import TacticTable
 from kda_backend.plugins import hooks
 
 FORCED_MAX_M = 256
 
+# Key fields a forced plan file may differ in with one warning: the plan stays valid for the same device and
+# geometry, though its timings were taken with other versions.
+VERSION_FIELDS = ("kda_backend", "torch", "cutlass_dsl")
+
 # Every layer of a model asks for the same plan: resolve (and broadcast) it once per process and key.
 _resolved: dict[tuple, Plan] = {}
 
 
-def forced_plan() -> tuple[Plan, TacticTable] | None:
-    """The plan ``KDA_BACKEND_PLAN`` names, if any."""
+def forced_plan(key: dict[str, Any] | None = None) -> tuple[Plan, TacticTable] | None:
+    """The plan ``KDA_BACKEND_PLAN`` names, if any.
+
+    :param key: what a plan file must have been made for (:func:`expected_key`); ``None`` checks no key.
+    :raises ValueError: the value is neither ``sequential``, ``overlap`` nor a readable plan file, or the file was
+        made for another device, geometry or dtype (naming the file's and this key's fields). Other versions of
+        the package, torch or the CuTe DSL are warned about once.
+    """
     value = env.get("KDA_BACKEND_PLAN").strip()
     if not value:
         return None
@@ -35,10 +46,33 @@ def forced_plan() -> tuple[Plan, TacticTable] | None:
         return Plan.uniform(FORCED_MAX_M, Step(overlap=False), source="env:sequential"), {}
     if value == "overlap":
         return Plan.uniform(FORCED_MAX_M, Step(overlap=True), source="env:overlap"), {}
-    loaded = plan_store.load_file(Path(value))
-    if loaded is None:
-        raise ValueError(f"KDA_BACKEND_PLAN={value!r}: not 'sequential', 'overlap' or a readable plan file")
-    return loaded
+    accepted = "accepted: 'sequential', 'overlap' or the path of a plan file written by `kda-backend autotune`"
+    try:
+        found, plan, tactics = plan_store.read_file(Path(value))
+    except FileNotFoundError:
+        raise ValueError(f"KDA_BACKEND_PLAN={value!r}: no such file; {accepted}") from None
+    except OSError as exc:
+        raise ValueError(f"KDA_BACKEND_PLAN={value!r}: cannot read it ({exc.strerror or exc}); {accepted}") from None
+    except PlanError as exc:
+        raise ValueError(f"KDA_BACKEND_PLAN={value!r}: not a plan file ({exc}); {accepted}") from None
+    if key is not None:
+        differences = plan_store.key_differences(found, key, exact=False)
+        hard = [d for d in differences if d.split(":")[0] not in VERSION_FIELDS]
+        if hard:
+            raise ValueError(f"KDA_BACKEND_PLAN={value!r}: made for another device, geometry or dtype "
+                             f"({'; '.join(hard)}); accepted: a plan file made for this key {key}")
+        if differences:
+            warn_once(f"forced-versions-{value}", f"KDA_BACKEND_PLAN={value!r} was tuned with other versions "
+                      f"({'; '.join(differences)}); serving it (`kda-backend autotune` re-tunes it)")
+    return plan, tactics
+
+
+def expected_key(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """What a forced plan file must match: the full device key on CUDA; elsewhere (no device to name) the
+    geometry and dtype."""
+    if device.type == "cuda":
+        return plan_store.device_key(geometry, device, dtype)
+    return {"geometry": geometry.describe(), "dtype": str(dtype)}
 
 
 def resolve_plan(
@@ -52,7 +86,7 @@ def resolve_plan(
         those and the ones it had; otherwise the M it lacks borrow the next larger tuned M's step (said once).
     """
     sizes = tuple(sorted({int(m) for m in batch_sizes}))
-    key = (geometry, str(device), dtype, sizes, env.get("KDA_BACKEND_PLAN"), env.get("KDA_BACKEND_AUTOTUNE"),
+    key = (geometry, str(device), dtype, sizes, env.get("KDA_BACKEND_PLAN"), env.flag("KDA_BACKEND_AUTOTUNE"),
            str(hooks.cache_dir()))
     if key not in _resolved:
         _resolved[key] = _resolve(geometry, device, dtype, sizes)
@@ -62,7 +96,7 @@ def resolve_plan(
 def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]) -> Plan:
     from kda_backend.autotune import DEFAULT_MS, autotune, install_tactics
 
-    found = forced_plan()
+    found = forced_plan(expected_key(geometry, device, dtype))
     if found is None and device.type != "cuda":
         return Plan(source="cpu")
     if found is None:
@@ -107,6 +141,7 @@ def _report_coverage(plan: Plan, sizes: tuple[int, ...]) -> None:
 
 
 def share(plan: Plan, tactics: TacticTable) -> tuple[Plan, TacticTable]:
-    """Pass a plan and its tactics through ``kda_share_plan`` (rank 0's answer wins on every rank)."""
-    shared = hooks.share_plan({"plan": plan.to_json(), "tactics": plan_store.tactics_to_json(tactics)})
-    return Plan.from_json(shared["plan"]), plan_store.tactics_from_json(shared["tactics"])
+    """Pass a plan and its tactics through ``kda_share_plan`` (rank 0's answer wins on every rank; a plugin that
+    answers something else than a plan is dropped, see :class:`~kda_backend.plugins.Hooks`)."""
+    data = {"plan": plan.to_json(), "tactics": plan_store.tactics_to_json(tactics)}
+    return hooks.share_plan(data, parse=plan_store.shared_from_json)

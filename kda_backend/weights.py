@@ -1,4 +1,9 @@
-"""Validated, zero-copy views of one rank's projection weights, from either engine's layout."""
+"""Validated, zero-copy views of one rank's projection weights, from either engine's layout.
+
+Each argument is checked where it enters (:meth:`ProjectionWeights.from_split`, :meth:`ProjectionWeights.from_packed`):
+a wrong type raises ``TypeError`` and a wrong shape, dtype, device or stride ``ValueError``, naming the argument,
+what it is and what is accepted.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,29 @@ import torch
 
 from kda_backend.geometry import KDAGeometry
 
+# Float dtypes the GEMM providers compute in (the engines serve bf16; the torch provider takes the others on CPU).
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_type(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        kind = f"{type(t).__module__}.{type(t).__qualname__}".removeprefix("builtins.")
+        raise TypeError(f"{name}: {kind}; accepted: a torch.Tensor")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype}; accepted: {', '.join(map(str, DTYPES))}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: {t.dim()}-D tensor of shape {tuple(t.shape)}; accepted: a 2-D [rows, cols] weight")
+    return t
+
+
+def _check_geometry(geometry: object) -> KDAGeometry:
+    if not isinstance(geometry, KDAGeometry):
+        raise TypeError(f"geometry: {type(geometry).__name__}; accepted: a KDAGeometry (kda_backend.preset(...))")
+    return geometry
+
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+    _check_type(name, t)
     if tuple(t.shape) != shape:
         raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {shape}")
     if t.dtype != dtype:
@@ -38,8 +64,14 @@ class ProjectionWeights:
     def from_split(
         cls, w_qkvg: torch.Tensor, w_fab: torch.Tensor, w_fb: torch.Tensor, geometry: KDAGeometry
     ) -> ProjectionWeights:
-        g = geometry
-        dtype, device = w_qkvg.dtype, w_qkvg.device
+        """Views of SGLang's layout: QKVG ``[4*hD, hidden]``, FAB ``[fab_rows, hidden]`` and F_B ``[hD, D]``, one
+        float dtype (:data:`DTYPES`) and device, unit stride along the input dim.
+
+        :raises TypeError: an argument of the wrong type.
+        :raises ValueError: a wrong shape, dtype, device or stride (naming the argument).
+        """
+        g = _check_geometry(geometry)
+        dtype, device = _check_type("w_qkvg", w_qkvg).dtype, w_qkvg.device
         _check("w_qkvg", w_qkvg, (g.qkvg_rows, g.hidden_size), dtype, device)
         _check("w_fab", w_fab, (g.fab_rows, g.hidden_size), dtype, device)
         _check("w_fb", w_fb, g.fb_shape, dtype, device)
@@ -47,7 +79,10 @@ class ProjectionWeights:
 
     @classmethod
     def from_packed(cls, w_packed: torch.Tensor, w_fb: torch.Tensor, geometry: KDAGeometry) -> ProjectionWeights:
-        g = geometry
+        """Views of vLLM's layout: ``w_packed`` ``[qkvg_rows + fab_rows, hidden]`` (QKVG on FAB) and F_B
+        ``[hD, D]``, checked as in :meth:`from_split`."""
+        g = _check_geometry(geometry)
+        _check_type("w_packed", w_packed)
         _check("w_packed", w_packed, (g.packed_rows, g.hidden_size), w_packed.dtype, w_packed.device)
         w_qkvg, w_fab = w_packed[: g.qkvg_rows], w_packed[g.qkvg_rows :]
         split = cls.from_split(w_qkvg, w_fab, w_fb, g)

@@ -89,7 +89,7 @@ def test_measuring_commands_fail_clearly_without_cuda(command, capsys, monkeypat
 def test_bad_ms_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--ms", "1,x"])
-    assert "--ms wants comma-separated integers" in capsys.readouterr().err
+    assert "argument --ms: '1,x': accepted: comma-separated integers >= 1" in capsys.readouterr().err
 
 
 def test_plot_from_results(tmp_path):

@@ -112,13 +112,13 @@ def test_forced_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_PLAN", "sequential")
     assert not forced_plan()[0].step(1).overlap
     monkeypatch.setenv("KDA_BACKEND_PLAN", "chained")
-    with pytest.raises(ValueError, match="not 'sequential', 'overlap' or a readable plan file"):
+    with pytest.raises(ValueError, match="'chained': no such file; accepted: 'sequential', 'overlap' or the path"):
         forced_plan()
     path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(path))
     assert forced_plan() == (PLAN, TACTICS)
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(tmp_path / "missing.json"))
-    with pytest.raises(ValueError, match="not 'sequential', 'overlap' or a readable plan file"):
+    with pytest.raises(ValueError, match="missing.json': no such file; accepted: 'sequential', 'overlap'"):
         forced_plan()
 
 
