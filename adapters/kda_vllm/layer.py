@@ -34,12 +34,6 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
     def __init__(self, config, vllm_config, *args, **kwargs) -> None:
         super().__init__(config, vllm_config, *args, **kwargs)
         self._kda_compilation_config = vllm_config.compilation_config
-        # The projection forks onto the model's aux stream itself. vLLM's own overlap (forward's first branch,
-        # switched on by enable_kimi_k3_low_latency_gemm only for layers that hold an aux stream and events, which
-        # then also compiles its kernels at warm-up) stays off for this layer: no second fork, no unused kernels.
-        self._kda_aux_stream = self._projection_aux_stream
-        self._projection_aux_stream = None
-        self._projection_events = None
         self.kda_projection: KDAProjection | None = None
         self.kda_vllm_path_reason: str | None = NOT_LOADED
 
@@ -62,9 +56,13 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         weights = ProjectionWeights.from_packed(self.in_proj_qkvgfab.weight, self.f_b_proj.weight, self.kda_geometry())
         self.kda_projection = build_projection(
             weights,
-            aux_stream=self._kda_aux_stream,
+            aux_stream=self._projection_aux_stream,
             batch_sizes=self._kda_compilation_config.cudagraph_capture_sizes or (),
         )
+        # Our forward replaces vLLM's projection, so its overlap branch never runs for this layer; a zero token
+        # limit also makes vLLM's warm-up skip tuning its overlap kernels for it. Where vLLM's path serves, its
+        # overlap stays exactly as vLLM set it up.
+        self._projection_overlap_max_tokens = 0
 
     def _why_vllm_path(self) -> str | None:
         """Why the projection cannot serve from the tensors vLLM keeps, or ``None`` where it can. Depends only on

@@ -435,25 +435,29 @@ def test_offloaded_weights_keep_vllm_path(injected, vllm_env):
     assert layer.kda_projection is None and "UVAOffloader" in layer.kda_vllm_path_reason
 
 
-def test_vllm_overlap_branch_is_dead_for_our_layer(injected, vllm_env, monkeypatch):
-    """The model hands every KDA layer its aux stream; vLLM's overlap branch needs it and the layer's events.
-    Ours keeps the stream for its own fork and leaves vLLM none, whether kda-backend or vLLM's path serves."""
+def test_vllm_overlap_branch_is_dead_where_we_serve_and_untouched_where_vllm_serves(injected, vllm_env, monkeypatch):
+    """The model hands every KDA layer its aux stream and events. Where kda-backend serves, the projection forks onto
+    that stream itself: vLLM's overlap branch never runs (no second fork) and vLLM's warm-up tunes nothing for it.
+    Where vLLM's path serves, its stream, events and overlap limit stay as vLLM set them."""
     from vllm.models.kimi_k3.nvidia import low_latency_gemm
 
     aux = object()  # stands for the model's torch.cuda.Stream, which a CPU cannot create
-    for dtype in (torch.bfloat16, torch.float32):  # served by kda-backend / by vLLM's path
-        layer = _build_layer(vllm_env, dtype=dtype, aux_stream=aux)
-        assert layer._projection_aux_stream is None and layer._projection_events is None
-        assert layer._kda_aux_stream is aux
-        low_latency_gemm.autotune_kda_qkvg(torch.nn.ModuleDict({"attn": layer}))  # vLLM's warm-up step
-        assert layer._projection_overlap_max_tokens == 0
-        with monkeypatch.context() as patch:
-            patch.setattr(layer, "_projection_overlap_max_tokens", 16)
-            patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-            patch.setattr(low_latency_gemm, "run_kda_projection_overlap", _never("vLLM's overlap branch"))
-            patch.setattr(layer, "_forward", _Recorder())
-            x = torch.randn(4, HIDDEN, dtype=dtype)
-            assert layer.forward(x, torch.arange(4)).shape == (4, HIDDEN)
+    served = _build_layer(vllm_env, dtype=torch.bfloat16, aux_stream=aux)
+    assert served.kda_projection is not None and served.kda_projection.aux_stream is aux
+    low_latency_gemm.autotune_kda_qkvg(torch.nn.ModuleDict({"attn": served}))  # vLLM's warm-up step
+    assert served._projection_overlap_max_tokens == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(served, "_projection_overlap_max_tokens", 16)
+        patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        patch.setattr(low_latency_gemm, "run_kda_projection_overlap", _never("vLLM's overlap branch"))
+        patch.setattr(served, "_forward", _Recorder())
+        x = torch.randn(4, HIDDEN, dtype=torch.bfloat16)
+        assert served.forward(x, torch.arange(4)).shape == (4, HIDDEN)
+    plain = _construct(vllm_env, torch.float32, aux)
+    plain._projection_overlap_max_tokens = 14  # as low_latency_gemm._enable_kda_projection_overlap sets it at init
+    _post_load(plain, vllm_env)
+    assert plain.kda_projection is None and plain._projection_aux_stream is aux
+    assert plain._projection_events is not None and plain._projection_overlap_max_tokens == 14
 
 
 def _never(what):
