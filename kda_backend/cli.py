@@ -141,7 +141,7 @@ def _plot_into(results, path: Path, required: bool = False) -> int:
         raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path.with_suffix('.json')}: rows hold values the plot cannot draw ({exc!r}); accepted: "
-                         "a bench.json written by `kda-backend bench`") from None
+                         "a bench.json written by kda-backend bench") from None
     print(f"plot: {path}")
     return 0
 
@@ -152,7 +152,7 @@ def _number(value: Any) -> bool:
 
 def read_results(path: Path) -> dict[str, Any]:
     """A ``bench.json`` with what the plot needs, else ``ValueError`` naming the file and the problem."""
-    accepted = "accepted: a bench.json written by `kda-backend bench`"
+    accepted = "accepted: a bench.json written by kda-backend bench"
     try:
         text = path.read_text()
     except FileNotFoundError:

@@ -3,7 +3,8 @@
 Project name ``kda_backend``. Built-in answers live in :mod:`kda_backend.builtin_plugins` and are registered
 ``trylast``, so any external plugin (an engine adapter, a provider package) overrides them. Every hook below is
 listed with its exact signature in ``docs/hooks.md``; ``tests/test_hooks_meta.py`` enforces that and that each
-hook has a test.
+hook has a test. Implementations are called one at a time (no hook wrappers) and an external one that raises or
+answers outside the contract documented below drops its plugin (see :class:`kda_backend.plugins.Hooks`).
 """
 
 from __future__ import annotations

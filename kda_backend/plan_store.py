@@ -229,13 +229,15 @@ def read_file(path: Path) -> tuple[dict[str, Any], Plan, TacticTable]:
     :raises OSError: the file cannot be read (``FileNotFoundError`` when it does not exist).
     :raises PlanError: it is empty, not JSON or outside the schema.
     """
-    text = path.read_bytes()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if not text.strip():
         raise PlanError("empty file")
     try:
         data = json.loads(text)
-    except UnicodeDecodeError as exc:
-        raise PlanError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise PlanError(f"not JSON ({exc})") from None
     except RecursionError:

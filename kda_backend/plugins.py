@@ -59,7 +59,8 @@ def _load_entry_points(pm: pluggy.PluginManager, blocked: set[str]) -> None:
     """Register the plugin of each ``kda_backend`` entry point; one that fails to import or to register is dropped
     (one error naming it) and the rest load. Warns about blocked names that no plugin has."""
     entry_points = md.entry_points(group=ENTRY_POINT_GROUP)
-    known = {name for name, _ in pm.list_name_plugin()} | {ep.name for ep in entry_points} | set(HOST_PLUGINS)
+    registered = {name for name, plugin in pm.list_name_plugin() if plugin is not None}  # blocked ones are None
+    known = registered | {ep.name for ep in entry_points} | set(HOST_PLUGINS)
     for name in sorted(blocked - known):
         warn_once(f"block-unknown-{name}", f"KDA_BACKEND_BLOCK_PLUGINS names {name!r}, which no installed plugin "
                   f"has (known: {', '.join(sorted(known))}); it blocks only a plugin registered later under that name")
