@@ -107,7 +107,7 @@ def _locked(path: Path, timeout: float):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot store plans in {path.parent}: {exc.strerror}; accepted: a folder this "
+        raise type(exc)(f"cannot store plans in {path.parent}: {exc.strerror}; accepted: a folder this "
                       "process may write (KDA_BACKEND_CACHE_DIR)") from exc
     try:
         deadline = time.monotonic() + timeout
@@ -261,7 +261,7 @@ def check_writable(folder: Path | None = None) -> Path:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot store plans in {folder}: {exc.strerror}; accepted: a folder this "
+        raise type(exc)(f"cannot store plans in {folder}: {exc.strerror}; accepted: a folder this "
                       "process may write (KDA_BACKEND_CACHE_DIR)") from exc
     return folder
 
@@ -286,7 +286,8 @@ def save(
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot store plans in {path.parent}: {exc.strerror}") from exc
+            raise type(exc)(f"cannot store plans in {path.parent}: {exc.strerror}; accepted: a folder this "
+                            "process may write (KDA_BACKEND_CACHE_DIR)") from exc
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)

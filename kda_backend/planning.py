@@ -107,8 +107,10 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
             ms = sorted({*(found[0].steps if found else ()), *(m for m in sizes if m <= MAX_TUNED_M)}) or DEFAULT_MS
             get_logger().info("tuning the plan for %s tp%d at M = %s", key["device"], geometry.tp_size, spans(ms))
             found = autotune(geometry, device, ms)
-            path = plan_store.save(key, *found)
-            get_logger().info("plan stored in %s", path)
+            try:
+                get_logger().info("plan stored in %s", plan_store.save(key, *found))
+            except OSError as exc:  # a read-only cache folder: the tuned plan still serves this process
+                warn_once(f"unstored-{key['device']}", f"{exc}; serving the tuned plan without storing it")
     if found is None:
         warn_once(
             f"no-plan-{geometry}",

@@ -155,7 +155,7 @@ def test_projection_refuses_bad_output_buffers():
     assert str(caught.value) == "g1_out: given with compute_fb=False, which computes no g1"
 
 
-@pytest.mark.parametrize("m", [0, 1, 7, 4099], ids=lambda m: f"projection-M{m}")
+@pytest.mark.parametrize("m", [0, 1, 7, 4099, 100_000], ids=lambda m: f"projection-M{m}")
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 def test_projection_any_m_matches_reference(m, packed):
     qkvg, fab, fb = _layer()

@@ -244,8 +244,21 @@ def test_saving_into_a_read_only_folder_says_so(tmp_path):
             plan_store.save(KEY, PLAN, TACTICS, tmp_path)
     finally:
         tmp_path.chmod(0o755)
-    assert str(caught.value) == (f"[Errno 13] cannot store plans in {tmp_path}: Permission denied; accepted: a "
+    assert str(caught.value) == (f"cannot store plans in {tmp_path}: Permission denied; accepted: a "
                                  "folder this process may write (KDA_BACKEND_CACHE_DIR)")
+
+
+def test_saving_where_the_lock_cannot_be_created_says_so(tmp_path, monkeypatch):
+    """What a read-only folder gives a writer, also where the tests run as root (who may write anywhere)."""
+
+    def refused(path, *args):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(plan_store.os, "open", refused)
+    with pytest.raises(PermissionError) as caught:
+        plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    assert str(caught.value) == (f"cannot store plans in {tmp_path}: Permission denied; accepted: a folder this "
+                                 "process may write (KDA_BACKEND_CACHE_DIR)")
 
 
 def _folder_cases(tmp_path):
@@ -379,3 +392,17 @@ def test_shared_plan_answer_goes_through_the_schema(fake_gpu):
 
     register_plugin(Rank0(), "rank0")
     assert resolve_plan(G, torch.device("cuda", 0)).source == "rank0"
+
+
+def test_plan_tuned_at_load_serves_when_the_cache_folder_refuses_it(fake_gpu, monkeypatch, kda_log):
+    monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
+    monkeypatch.setattr("kda_backend.autotune.autotune", lambda geometry, device, ms=(): (PLAN, {}))
+
+    def refused(*args, **kwargs):
+        raise PermissionError(f"cannot store plans in {fake_gpu}: Permission denied; accepted: a folder this process "
+                              "may write (KDA_BACKEND_CACHE_DIR)")
+
+    monkeypatch.setattr(plan_store, "save", refused)
+    assert resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 16]) == PLAN
+    assert kda_log.messages() == [f"cannot store plans in {fake_gpu}: Permission denied; accepted: a folder this "
+                                  "process may write (KDA_BACKEND_CACHE_DIR); serving the tuned plan without storing it"]

@@ -12,8 +12,8 @@ from numerics import assert_close
 from kda_backend import GemmProvider, KDAProjection, ProjectionWeights, hookimpl, hooks, plugins, register_plugin
 from kda_backend.cli import main
 from kda_backend.geometry import KDAGeometry
-from kda_backend.planning import share
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan
+from kda_backend.planning import share
 from kda_backend.reference import KDALayerWeights, reference_projection
 
 TINY = KDAGeometry(hidden_size=64, num_heads=4, head_dim=16)
