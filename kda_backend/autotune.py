@@ -245,7 +245,8 @@ def usable_providers(weights: ProjectionWeights, m: int) -> dict[str, tuple[str,
     for role in ROLES:
         call = projection.gemm_call(role, m)
         usable[role] = tuple(
-            p.name for p in hooks.gemm_providers() if dispatch.broken_reason(p.name) is None and p.why_not(call) is None
+            p.name for p in hooks.gemm_providers()
+            if dispatch.broken_reason(p.name) is None and dispatch.why_not(p, call) is None
         )
     return usable
 

@@ -52,10 +52,10 @@ class KDAProjection:
         return self.weights.geometry
 
     def validate_input(self, x: torch.Tensor) -> None:
-        """Raise ``ValueError`` naming what is wrong with ``x`` (before anything is launched)."""
+        """Raise ``TypeError`` / ``ValueError`` naming what is wrong with ``x`` (before anything is launched)."""
         w = self.weights
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.geometry.hidden_size:
             raise ValueError(f"x: shape {tuple(x.shape)} != expected [M, {self.geometry.hidden_size}]")
         if x.dtype != w.dtype:
@@ -113,7 +113,7 @@ class KDAProjection:
         if name == AUTO or self.plan.tuned(m):
             return None if name == AUTO else name
         provider = dispatch.provider_by_name(name)
-        if dispatch.broken_reason(name) is not None or provider.why_not(call) is not None:
+        if dispatch.broken_reason(name) is not None or dispatch.why_not(provider, call) is not None:
             return None
         return name
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -25,10 +26,17 @@ def build_projection(
 
     :param weights: the layer's validated weight views.
     :param aux_stream: the stream the side chain forks onto (``None``: the ``kda_host_aux_stream`` hook's).
+    :raises ValueError: ``batch_sizes`` holds something other than positive integers.
     :param batch_sizes: token counts the engine will run (its CUDA-graph batch sizes): the plan is tuned for them
         where ``KDA_BACKEND_AUTOTUNE=1`` asks for it (see :func:`~kda_backend.planning.resolve_plan`).
     """
-    sizes = sorted({int(m) for m in batch_sizes})
+    given = list(batch_sizes)
+    try:
+        sizes = sorted({operator.index(m) for m in given})
+    except TypeError:
+        sizes = [0]
+    if sizes and sizes[0] < 1:
+        raise ValueError(f"batch_sizes: {given!r:.200}; accepted: positive integers (token counts per step)")
     plan = resolve_plan(weights.geometry, weights.device, weights.dtype, sizes)
     projection = KDAProjection(weights, plan, aux_stream=aux_stream)
     if weights.device.type == "cuda":

@@ -85,7 +85,7 @@ def test_m_zero_returns_empty():
 )
 def test_bad_input_named(x, match):
     proj = KDAProjection(_weights(TINY))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(TypeError if isinstance(x, str) else ValueError, match=match):
         proj(x)
 
 
@@ -332,3 +332,13 @@ def test_without_fb_no_fb_gemm_runs_and_the_rest_is_unchanged(step, packed):
     assert beta2.data_ptr() == fab[:, TINY.head_dim :].data_ptr()
     with pytest.raises(ValueError, match="g1_out: given with compute_fb=False"):
         proj(x, g1_out=torch.empty(5, TINY.local_width, dtype=torch.bfloat16), compute_fb=False)
+
+
+def test_build_projection_names_bad_batch_sizes():
+    from kda_backend import build_projection
+
+    with pytest.raises(ValueError, match=r"batch_sizes: \[1, 'two'\]; accepted: positive integers"):
+        build_projection(_weights(TINY), batch_sizes=[1, "two"])
+    with pytest.raises(ValueError, match=r"batch_sizes: \[0, 4\]"):
+        build_projection(_weights(TINY), batch_sizes=[0, 4])
+    assert build_projection(_weights(TINY), batch_sizes=[4, 1]).plan.source == "cpu"
