@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,14 @@ from kda_backend.providers.torch_provider import TorchProvider
 
 class BuiltinProviders:
     """Contributes the CuTe DSL provider, the optional FlashInfer provider and the torch/cuBLAS provider that
-    serves every call."""
+    serves every call.
 
-    def __init__(self) -> None:
-        self.cute = CuteDslProvider()
+    :param cache_dir: the cache folder (asked when needed), where the CuTe provider keeps compiled kernels;
+        ``None``: in memory only.
+    """
+
+    def __init__(self, cache_dir: Callable[[], Path] | None = None) -> None:
+        self.cute = CuteDslProvider(cache_dir)
 
     @hookimpl(trylast=True)
     def kda_gemm_providers(self) -> list[GemmProvider]:
@@ -54,6 +59,7 @@ class DefaultHost:
         return plan
 
 
-def builtin_plugins() -> dict[str, object]:
-    """Name -> plugin object for every built-in plugin (names can be blocked like external ones)."""
-    return {"builtin-providers": BuiltinProviders(), "builtin-host": DefaultHost()}
+def builtin_plugins(cache_dir: Callable[[], Path] | None = None) -> dict[str, object]:
+    """Name -> plugin object for every built-in plugin (names can be blocked like external ones); ``cache_dir`` as
+    for :class:`BuiltinProviders` (the plugin manager passes its own resolution of the cache folder)."""
+    return {"builtin-providers": BuiltinProviders(cache_dir), "builtin-host": DefaultHost()}

@@ -83,7 +83,8 @@ def test_side_chain_groups_follow_m(tools_on_path):
 
 def test_timeline_patch_compiles_for_sm90a(tools_on_path, monkeypatch):
     """The timeline tool patches skinny_gemm.py's source by anchors: each must still match once, and the patched
-    kernel (a split-K F_A/beta, whose records follow its arrival counters) must compile."""
+    kernels must compile: a split-K F_A/beta (records after its arrival counters) and F_B without split-K (records
+    alone in the arrival-counter slot)."""
     from stage_timeline import compile_timed, patched_module, patched_source
 
     from kda_backend.geometry import preset
@@ -92,7 +93,9 @@ def test_timeline_patch_compiles_for_sm90a(tools_on_path, monkeypatch):
     assert patched_source().count("globaltimer_lo()") == 3
     module = patched_module()
     g = preset("kimi-k3", 8)
-    tactic = default_tactic(g.fab_rows, g.hidden_size, 1)
-    assert tactic.split_k > 1
-    assert compile_timed(module, module.Tactic(**vars(tactic)), g.fab_rows, g.hidden_size, g.hidden_size,
-                         arch="sm_90a") is not None
+    fab = default_tactic(g.fab_rows, g.hidden_size, 1)
+    fb = default_tactic(g.local_width, g.head_dim, 1)
+    assert fab.split_k > 1 and fb.split_k == 1
+    for tactic, n, k, x_row_stride in ((fab, g.fab_rows, g.hidden_size, g.hidden_size),
+                                       (fb, g.local_width, g.head_dim, g.fab_rows)):
+        assert compile_timed(module, module.Tactic(**vars(tactic)), n, k, x_row_stride, arch="sm_90a") is not None

@@ -164,13 +164,13 @@ def test_provider_accepts_hopper_and_blackwell(capability):
 @pytest.mark.parametrize("row_multiple", [16, 8], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16], ids=lambda t: f"tp{t}")
 def test_provider_serves_every_role_at_every_tp(tp, row_multiple):
-    """Each GEMM alone, the chained stage and the trailing side chain, with F_A/beta padded as vLLM (16 rows) and
-    SGLang (8 rows: 152 at TP4, 136 at TP16) pad it."""
+    """Each GEMM alone and the trailing side chain, with F_A/beta padded as vLLM (16 rows) and SGLang (8 rows: 152
+    at TP4, 136 at TP16) pad it."""
     p = CuteDslProvider()
-    calls = _chained_calls(tp, row_multiple)
+    calls = _stage_calls(tp, row_multiple)
     for call in calls.values():
         assert p.why_not(call) is None, call
-    assert p.why_not_chained(calls) is None and p.why_not_trailing(calls) is None
+    assert p.why_not_trailing(calls) is None
 
 
 def test_provider_uses_tuned_tactic():
@@ -223,6 +223,61 @@ def test_tma_and_wide_tactics_compile_on_cpu(arch, role):
     for tactic in tactics:
         assert validate_tactic(tactic, n, k, xs) is None
         assert compile_gemm(KernelKey(tactic, n, k, xs, k, arch)) is not None
+
+
+def _signature(key: KernelKey, folder) -> str:
+    """The TVM-FFI signature of ``key``'s kernel, as its arity error names it (exported and loaded: a function
+    to call even where the DSL builds no execution engine, on a machine without a GPU)."""
+    from kda_backend.kernels import compile_cache
+
+    path = folder / "kernel.o"
+    compile_cache.export(compile_gemm(key), path, "kernel")
+    with pytest.raises(TypeError, match="Expects 7 parameters") as error:
+        compile_cache.load_exported(path, "kernel")()
+    return str(error.value)
+
+
+ROLE_OPERANDS = {  # (role, tactic, link) -> what the kernel takes after x, w and out
+    ("fb", Tactic(16, 128, 16, 2), Link()): "m_work: None, m_arrivals: None, m_chain: None, expected: None",
+    ("fab", Tactic(16, 128, 16, 3, split_k=14), Link()):
+        "m_work: Tensor([14, n0, 144], float32), m_arrivals: Tensor([n1], int32), m_chain: None, expected: None",
+    ("fab", Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), Link(signals=True, x_ready=True)):
+        "m_work: Tensor([14, n0, 144], float32), m_arrivals: Tensor([n1], int32), m_chain: Tensor([2], int32), "
+        "expected: None",
+    ("fab", Tactic(16, 256, 16, 4, x_via_l1=False), Link(signals=True, x_ready=True)):
+        "m_work: None, m_arrivals: None, m_chain: Tensor([2], int32), expected: None",
+    ("fb", Tactic(16, 128, 16, 2, x_via_l1=False), Link(waits=True)):
+        "m_work: None, m_arrivals: None, m_chain: Tensor([2], int32), expected: int32",
+}
+
+
+@pytest.mark.parametrize("role, tactic, link", ROLE_OPERANDS, ids=lambda v: v.key() if isinstance(v, Tactic) else None)
+def test_one_entry_point_takes_the_operands_of_its_roles(role, tactic, link, tmp_path):
+    """Every kernel has the one entry point ``(x, w, out, work, arrivals, chain, expected)``: x, w and out as torch
+    holds them, and ``None`` (a constant) in each slot its tactic and link give it no role for."""
+    n, k, xs = _roles(8)[role]
+    signature = _signature(KernelKey(tactic, n, k, xs, k, "sm_90a", link), tmp_path)
+    assert f"m_x: Tensor([n0, {k}], bfloat16), m_w: Tensor([{n}, {k}], bfloat16), m_out: Tensor([n0, {n}], bfloat16), " \
+           f"{ROLE_OPERANDS[role, tactic, link]})" in signature
+
+
+def test_entry_point_refuses_a_missing_role_operand_at_compile():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from kda_backend.kernels.skinny_gemm import SkinnyGemm
+
+    n, k, xs = _roles(8)["fab"]
+    gemm = SkinnyGemm(Tactic(16, 128, 16, 3, split_k=14), n, k, xs, k)
+    m = cute.sym_int32(symbol="M")
+    x = make_fake_tensor(cutlass.BFloat16, (m, k), (xs, 1), assumed_align=16)
+    w = make_fake_tensor(cutlass.BFloat16, (n, k), (k, 1), assumed_align=16)
+    out = make_fake_tensor(cutlass.BFloat16, (m, n), (n, 1), assumed_align=16)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    with pytest.raises(ValueError, match="m_work, m_arrivals required by tactic n16k128t16s3x14pL"):
+        cute.compile(gemm, x, w, out, None, None, None, None, stream,
+                     options="--enable-tvm-ffi --gpu-arch sm_90a")
 
 
 def test_tma_excludes_l1_path():
@@ -364,7 +419,6 @@ def _small_key():
 @pytest.fixture
 def kernel_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
     return tmp_path / "kernels"
 
 
@@ -372,7 +426,7 @@ def test_compiled_kernel_is_reused_from_disk(kernel_cache, monkeypatch):
     from kda_backend.kernels import compile_cache
 
     key = _small_key()
-    assert compile_cache.CompiledGemms().get(key) is not None
+    assert compile_cache.CompiledGemms().get(key, kernel_cache) is not None
     files = list(kernel_cache.glob("*.o"))
     assert [f.name for f in files] == [f"kda_gemm_{compile_cache.fingerprint(key)}.o"]
 
@@ -381,7 +435,31 @@ def test_compiled_kernel_is_reused_from_disk(kernel_cache, monkeypatch):
 
     monkeypatch.setattr(compile_cache, "compile_gemm", no_compiler)
     fresh = compile_cache.CompiledGemms()  # as in a new process
-    assert callable(fresh.get(key)) and key in fresh
+    assert callable(fresh.get(key, kernel_cache)) and fresh.get(key) is fresh.get(key, kernel_cache)
+
+
+def test_kernel_cache_without_folder_is_memory_only_until_given_one(kernel_cache):
+    """No folder: nothing on disk. A kernel compiled so is stored once a folder is given, and loads from there."""
+    from kda_backend.kernels import compile_cache
+
+    key = _small_key()
+    cache = compile_cache.CompiledGemms()
+    kernel = cache.get(key)
+    assert kernel is not None and not kernel_cache.exists()
+    assert cache.get(key, kernel_cache) is kernel
+    path = kernel_cache / f"kda_gemm_{compile_cache.fingerprint(key)}.o"
+    assert path.stat().st_size > 1000 and compile_cache.load_exported(path, path.stem) is not None
+
+
+def test_provider_keeps_kernels_in_the_cache_folder_it_is_given(tmp_path, monkeypatch):
+    """The built-in CuTe provider asks the plugin manager's cache folder (``KDA_BACKEND_CACHE_DIR`` first) when it
+    needs one; a provider built alone keeps kernels in memory."""
+    from kda_backend import dispatch
+
+    assert CuteDslProvider().kernel_folder() is None
+    assert CuteDslProvider(lambda: tmp_path).kernel_folder() == tmp_path / "kernels"
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path / "env"))
+    assert dispatch.provider_by_name("cute").kernel_folder() == tmp_path / "env" / "kernels"
 
 
 def test_fingerprint_covers_key_and_toolchain(monkeypatch):
@@ -415,7 +493,7 @@ def test_unreadable_kernel_file_is_recompiled_with_one_warning(kernel_cache, kda
     path = kernel_cache / f"kda_gemm_{compile_cache.fingerprint(key)}.o"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"\x7fELF truncated")
-    assert compile_cache.CompiledGemms().get(key) is not None
+    assert compile_cache.CompiledGemms().get(key, kernel_cache) is not None
     assert sum("unreadable compiled kernel" in m for m in kda_log.messages()) == 1
     assert path.stat().st_size > 1000  # replaced by a good export
     assert compile_cache.load_exported(path, path.stem) is not None
@@ -426,34 +504,27 @@ def test_unwritable_kernel_cache_still_serves(kernel_cache, kda_log, monkeypatch
 
     kernel_cache.parent.mkdir(parents=True, exist_ok=True)
     kernel_cache.write_text("a file where the folder should be")
-    assert compile_cache.CompiledGemms().get(_small_key()) is not None
+    assert compile_cache.CompiledGemms().get(_small_key(), kernel_cache) is not None
     assert any("cannot write compiled kernels" in m for m in kda_log.messages())
 
 
-def _chained_calls(tp=8, row_multiple=16, **qkvg):
-    calls = {role: _call(role=role, n=n, k=k, x_row_stride=xs, w_row_stride=k)
-             for role, (n, k, xs) in _roles(tp, row_multiple).items()}
-    calls["qkvg"] = dataclasses.replace(calls["qkvg"], **qkvg)
-    return calls
+def _stage_calls(tp=8, row_multiple=16):
+    return {role: _call(role=role, n=n, k=k, x_row_stride=xs, w_row_stride=k)
+            for role, (n, k, xs) in _roles(tp, row_multiple).items()}
 
 
-def _chained_keys(tp, arch, joint=None, row_multiple=16):
-    roles = _roles(tp, row_multiple)
-    (qn, qk, qxs), (fn, _, _), (bn, bk, bxs) = roles["qkvg"], roles["fab"], roles["fb"]
-    waiting = dataclasses.replace(default_tactic(bn, bk, 4), x_via_l1=False)
-    return (KernelKey(joint or default_tactic(qn, qk, 4), qn, qk, qxs, qk, arch, Link(joint_rows=fn)),
-            KernelKey(waiting, bn, bk, bxs, bk, arch, Link(waits=True)))
+def _waiting_fb_key(tp, arch, row_multiple=16):
+    """F_B behind the signaling F_A/beta on one stream, reading f_a at F_A/beta's row stride."""
+    n, k, xs = _roles(tp, row_multiple)["fb"]
+    return KernelKey(default_tactic(n, k, 4).with_activations_from_l2(), n, k, xs, k, arch, Link(waits=True))
 
 
 @pytest.mark.parametrize(
     "link, tactic, match",
     [
-        (Link(joint_rows=144, waits=True), Tactic(16, 256, 16, 4), "not joint_rows and waits"),
-        (Link(signals=True, waits=True), Tactic(16, 256, 16, 4), "not waits and signals"),
-        (Link(waits=True, x_ready=True), Tactic(16, 128, 16, 2, x_via_l1=False), "not a joint or waiting one"),
-        (Link(joint_rows=144), Tactic(32, 256, 16, 4), "block_n=32 must be a multiple of 16 dividing joint_rows=144"),
-        (Link(joint_rows=132), Tactic(16, 256, 16, 4), "joint_rows=132 must be a multiple of 8"),
-        (Link(joint_rows=144), Tactic(16, 128, 16, 3, split_k=2), "cannot split K"),
+        (Link(signals=True, waits=True), Tactic(16, 256, 16, 4, x_via_l1=False), "either waits or signals"),
+        (Link(waits=True, x_ready=True), Tactic(16, 128, 16, 2, x_via_l1=False), "not a waiting one"),
+        (Link(waits=True), Tactic(16, 128, 16, 3, x_via_l1=False, split_k=2), "cannot split K"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=True), "loads x from L2 only"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True), "loads x from L2 only"),
         (Link(waits=True), Tactic(16, 128, 16, 2, x_via_l1=False, x_bulk=True), "loads x from L2 only"),
@@ -464,49 +535,41 @@ def test_validate_link_reasons(link, tactic, match):
     assert match in validate_link(link, tactic)
 
 
-def test_chained_tactics_run_tuned_qkvg_with_16_row_ctas():
-    """The joint launch runs QKVG's tuned tactic with 16-row CTAs, so F_A/beta's 144 rows spread over 9 CTAs that
-    end early, else the 16-row default; the waiting launch runs F_B's with activations from L2 and no split."""
+def test_trailing_tactics_are_the_side_chains_with_activations_from_l2():
+    """The trailing side chain computes what the forked one does, bit for bit: the same tactics, only the
+    activation path differs (which changes where loads come from, not the arithmetic)."""
     g = preset("kimi-k3", 8)
     p = CuteDslProvider()
-    fb_tuned = Tactic(16, 128, 16, 3, x_via_l1=True)
-    p.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): Tactic(48, 256, 16, 4, x_via_l1=False),
-                   ("fb", g.local_width, g.head_dim, 16): fb_tuned})
-    joint, waiting = p.chained_tactics(_chained_calls())
-    assert joint == Tactic(16, 256, 16, 4, x_via_l1=False) and waiting == dataclasses.replace(fb_tuned, x_via_l1=False)
-    p.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, 16): Tactic(48, 256, 16, 4, split_k=2)})  # cannot join
-    assert p.chained_tactics(_chained_calls())[0] == default_tactic(g.qkvg_rows, g.hidden_size, 4)
-    assert p.why_not_chained(_chained_calls()) is None
-
-
-def test_chained_stage_rejections_name_reason():
-    p = CuteDslProvider()
-    assert p.why_not_chained(_chained_calls(capability=(8, 0))).startswith("qkvg: compute capability (8, 0)")
-    calls = _chained_calls()
-    calls["fab"] = dataclasses.replace(calls["fab"], w_row_stride=7200)
-    assert "QKVG's stride" in p.why_not_chained(calls)
+    fab_tuned, fb_tuned = Tactic(16, 128, 16, 3, split_k=14), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True)
+    p.add_tactics({("fab", g.fab_rows, g.hidden_size, 16): fab_tuned, ("fb", g.local_width, g.head_dim, 16): fb_tuned})
+    fab, fb = p.trailing_tactics(_stage_calls())
+    assert fab == dataclasses.replace(fab_tuned, x_via_l1=False) and fb == dataclasses.replace(fb_tuned, x_tma=False)
+    assert p.why_not_trailing(_stage_calls()) is None
+    p.add_tactics({("fb", g.local_width, g.head_dim, 16): Tactic(16, 64, 16, 2, split_k=2)})  # F_B's K is 128
+    assert "cannot split K" in p.why_not_trailing(_stage_calls())
+    assert p.why_not_trailing(_stage_calls() | {"qkvg": _call(capability=(8, 0))}).startswith("qkvg: compute")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tp", [1, 8, 16], ids=lambda t: f"tp{t}")
-def test_chained_stage_kernels_compile_on_cpu(arch, tp):
-    joint = Tactic(48, 256, 16, 5) if tp == 8 else None
-    for key in _chained_keys(tp, arch, joint):
-        assert compile_gemm(key) is not None
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_chained_stage_orders_its_signal_and_wait(arch, tmp_path):
-    """The joint launch counts F_A/beta's tiles in only after they are stored and fenced device-wide. The waiting
-    launch releases the next kernel first, then polls the count (relaxed loads: an acquire load per poll would
-    invalidate the L1 that QKVG's CTAs beside it share), fences once, loads f_a, counts itself out, and only
-    then waits for the joint launch to complete."""
-    joint_key, waiting_key = _chained_keys(8, arch)
-    (tmp_path / "joint").mkdir()
+def test_trailing_side_chain_kernels_order_their_signal_and_wait(arch, tmp_path):
+    """F_A/beta behind QKVG releases the next launch at once, never waits for QKVG before loading x, counts each
+    reduced tile in after storing and fencing it, and waits for QKVG to complete only at its end. F_B behind it
+    releases the next kernel first, then polls the count (relaxed loads: an acquire load per poll would invalidate
+    the L1 that QKVG's CTAs beside it share), fences once, loads f_a, counts itself out, and only then waits for
+    F_A/beta to complete."""
+    n, k, xs = _roles(8)["fab"]
+    key = KernelKey(Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), n, k, xs, k, arch,
+                    Link(signals=True, x_ready=True))
+    (tmp_path / "signaling").mkdir()
     (tmp_path / "waiting").mkdir()
-    joint = _compile_and_dump(joint_key, tmp_path / "joint")
-    assert joint.index("fence.acq_rel.gpu") < joint.index("atom.global.release.add")
-    waiting = _compile_and_dump(waiting_key, tmp_path / "waiting")
+    text = _compile_and_dump(key, tmp_path / "signaling")
+    release = text.index("griddepcontrol.launch_dependents")
+    reduce = text.index("atom.global.acq_rel.add")  # the split-K arrival
+    signal = text.index("atom.global.release.add")
+    final_wait = text.index("griddepcontrol.wait")
+    assert release < reduce < signal < final_wait
+    assert text.rindex("fence.acq_rel.gpu", 0, signal) > reduce and text.count("griddepcontrol.wait") == 1
+    waiting = _compile_and_dump(_waiting_fb_key(8, arch), tmp_path / "waiting")
     release = waiting.index("griddepcontrol.launch_dependents")
     poll = waiting.index("ld.relaxed.gpu.global")
     fence = waiting.index("fence.acq_rel.gpu", poll)
@@ -516,45 +579,12 @@ def test_chained_stage_orders_its_signal_and_wait(arch, tmp_path):
     assert "cp.async" in waiting[fence:count_out] and "ld.acquire" not in waiting
 
 
-def test_trailing_tactics_are_the_side_chains_with_activations_from_l2():
-    """The trailing side chain computes what the forked one does, bit for bit: the same tactics, only the
-    activation path differs (which changes where loads come from, not the arithmetic)."""
-    g = preset("kimi-k3", 8)
-    p = CuteDslProvider()
-    fab_tuned, fb_tuned = Tactic(16, 128, 16, 3, split_k=14), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True)
-    p.add_tactics({("fab", g.fab_rows, g.hidden_size, 16): fab_tuned, ("fb", g.local_width, g.head_dim, 16): fb_tuned})
-    fab, fb = p.trailing_tactics(_chained_calls())
-    assert fab == dataclasses.replace(fab_tuned, x_via_l1=False) and fb == dataclasses.replace(fb_tuned, x_tma=False)
-    assert p.why_not_trailing(_chained_calls()) is None
-    p.add_tactics({("fb", g.local_width, g.head_dim, 16): Tactic(16, 64, 16, 2, split_k=2)})  # F_B's K is 128
-    assert "cannot split K" in p.why_not_trailing(_chained_calls())
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_trailing_side_chain_kernels_compile_and_order_their_waits(arch, tmp_path):
-    """F_A/beta behind QKVG releases the next launch at once, never waits for QKVG before loading x, counts each
-    reduced tile in after storing and fencing it, and waits for QKVG to complete only at its end."""
-    n, k, xs = _roles(8)["fab"]
-    key = KernelKey(Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), n, k, xs, k, arch,
-                    Link(signals=True, x_ready=True))
-    text = _compile_and_dump(key, tmp_path)
-    release = text.index("griddepcontrol.launch_dependents")
-    reduce = text.index("atom.global.acq_rel.add")  # the split-K arrival
-    signal = text.index("atom.global.release.add")
-    final_wait = text.index("griddepcontrol.wait")
-    assert release < reduce < signal < final_wait
-    assert text.rindex("fence.acq_rel.gpu", 0, signal) > reduce and text.count("griddepcontrol.wait") == 1
-    fb_n, fb_k, fb_xs = _roles(8)["fb"]
-    assert compile_gemm(KernelKey(Tactic(16, 128, 16, 2, x_via_l1=False), fb_n, fb_k, fb_xs, fb_k, arch,
-                                  Link(waits=True))) is not None
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp", [4, 16], ids=lambda t: f"tp{t}")
 def test_partial_row_block_kernels_compile_on_cpu(arch, tp):
     """SGLang's F_A/beta (N % 16 == 8) by every path: the default split-K tactic of each token tile, wider CTAs
     (the last one partial by more than 8 rows) with activations by TMA and bulk copies, no split; F_B reading f_a at
-    that row stride; the chained stage (a partial joint weight) and the trailing side chain (signaling split-K)."""
+    that row stride, waiting behind the trailing side chain's signaling split-K F_A/beta, which is compiled too."""
     roles = _roles(tp, row_multiple=8)
     n, k, xs = roles["fab"]
     assert n % 16 == 8
@@ -567,7 +597,7 @@ def test_partial_row_block_kernels_compile_on_cpu(arch, tp):
     keys = [KernelKey(tactic, n, k, xs, k, arch) for tactic in tactics]
     fb_n, fb_k, fb_xs = roles["fb"]
     keys.append(KernelKey(default_tactic(fb_n, fb_k, 16), fb_n, fb_k, fb_xs, fb_k, arch))
-    keys += _chained_keys(tp, arch, row_multiple=8)
+    keys.append(_waiting_fb_key(tp, arch, row_multiple=8))
     keys.append(KernelKey(Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), n, k, xs, k, arch,
                           Link(signals=True, x_ready=True)))
     for key in keys:

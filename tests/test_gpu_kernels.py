@@ -1,5 +1,5 @@
-"""The CuTe DSL kernel alone on the GPU: every role and TP size, strided f_a input, bad input errors, the chained
-stage, N not a multiple of 16 (a partial last row block)."""
+"""The CuTe DSL kernel alone on the GPU: every role and TP size, strided f_a input, bad input errors, the provider's
+launchers (inside CUDA graphs too), the trailing side chain, N not a multiple of 16 (a partial last row block)."""
 
 import dataclasses
 
@@ -10,8 +10,9 @@ from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles
-from kda_backend.providers.cute_provider import CuteDslProvider, launch, launch_trailing
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles, tactic_bucket
+from kda_backend.providers.base import GemmCall
+from kda_backend.providers.cute_provider import CuteDslProvider, launch
 
 pytestmark = pytest.mark.gpu
 
@@ -34,11 +35,57 @@ def test_fb_reads_strided_f_a_in_place(tp, m, row_multiple):
 
 
 def test_misaligned_pointer_rejected_before_launch():
+    """By ``run``'s own check, and in a launcher's call by the TVM-FFI function's check of the pointer."""
     x = torch.randn(2, 7168 + 8, device="cuda", dtype=torch.bfloat16)[:, 1:7169]
     w = torch.randn(144, 7168, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(2, 144, device="cuda", dtype=torch.bfloat16)
+    provider = CuteDslProvider()
     with pytest.raises(ValueError, match="x data pointer is not 16-byte aligned"):
-        CuteDslProvider().run("fab", x, w, out)
+        provider.run("fab", x, w, out)
+    call = _gemm_call("fab", 2, 144, 7168, 7168 + 8)
+    provider.prepare(call)
+    with pytest.raises(ValueError, match="Misaligned Tensor data"):
+        provider.launcher(call)(x, w, out)
+
+
+def _gemm_call(role: str, m: int, n: int, k: int, x_row_stride: int) -> GemmCall:
+    return GemmCall(role, m, n, k, torch.bfloat16, "cuda", torch.cuda.get_device_capability(), x_row_stride, k)
+
+
+@pytest.mark.parametrize("tactic", [Tactic(16, 128, 16, 3, split_k=14), Tactic(16, 256, 16, 4)], ids=lambda t: t.key())
+@pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
+def test_launcher_equals_run_bitwise_and_keeps_one_workspace_per_stream(tactic, m):
+    """A launcher computes what ``run`` does, bit for bit; its split-K workspace and counters are made once per
+    stream (never per call); a graph captured on a side stream first seen inside the capture replays equal to
+    eager, and leaves the counters at zero."""
+    g = preset("kimi-k3", 8)
+    tactic = dataclasses.replace(tactic, block_t=block_t_for(m))
+    provider = _provider_with_fab(tactic)
+    call = _gemm_call("fab", m, g.fab_rows, g.hidden_size, g.hidden_size)
+    provider.prepare(call)
+    run_gemm = provider.launcher(call)
+    x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
+    expected = torch.full((m, g.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
+    provider.run("fab", x, w, expected)
+    out = torch.full_like(expected, float("nan"))
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(3):
+        run_gemm(x, w, out)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations, "a launch allocated memory"
+    assert torch.equal(out, expected)
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    captured = torch.full_like(expected, float("nan"))
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=side):
+        run_gemm(x, w, captured)
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected)
+    assert not arrival_counters.for_stream(side, 1).any()
 
 
 @pytest.mark.parametrize("tactic", [Tactic(48, 256, 16, 6), Tactic(48, 128, 16, 12, x_via_l1=False),
@@ -168,12 +215,11 @@ def test_split_k_on_concurrent_streams_keeps_results_apart():
         assert all(torch.equal(out, expected[s]) for out in outs[s])
 
 
-def test_kernel_loaded_from_disk_equals_freshly_compiled(monkeypatch, tmp_path):
+def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path):
     """The exported object file (what the next process loads) computes exactly what the compiled kernel does."""
     from kda_backend.kernels import compile_cache
     from kda_backend.kernels.skinny_gemm import default_tactic
 
-    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
     g = preset("kimi-k3", 8)
     n, k = g.qkvg_rows, g.hidden_size
     key = compile_cache.kernel_key(default_tactic(n, k, 16), n, k, k, k, torch.device("cuda"))
@@ -183,82 +229,13 @@ def test_kernel_loaded_from_disk_equals_freshly_compiled(monkeypatch, tmp_path):
     for _ in range(2):  # first: compiled and exported; second: a fresh cache, as in a new process, loads it
         cache = compile_cache.CompiledGemms()
         out = torch.full((16, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        cache.get(key)(x, w, out.t())
+        cache.get(key, tmp_path)(x, w, out, None, None, None, None)
         outs.append(out)
-        assert len(list((tmp_path / "kernels").glob("*.o"))) == 1
+        assert len(list(tmp_path.glob("*.o"))) == 1
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0], outs[1])
     ref = x.float() @ w.float().t()
     assert ((outs[1].float() - ref).norm() / ref.norm()).item() <= 1e-2
-
-
-def _chained_calls_and_weights(tp: int, m: int):
-    g = preset("kimi-k3", tp)
-    w = {
-        "qkvg": torch.randn(g.qkvg_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5,
-        "fab": torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5,
-        "fb": torch.randn(*g.fb_shape, device="cuda", dtype=torch.bfloat16) * g.head_dim**-0.5,
-    }
-    return g, w
-
-
-@pytest.mark.parametrize("joint", [None, Tactic(48, 256, 16, 3, x_via_l1=False),
-                                   Tactic(16, 256, 16, 4, x_via_l1=False, x_tma=True),
-                                   Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True)],
-                         ids=lambda t: t.key() if t else "default")
-@pytest.mark.parametrize("tp", [1, 8, 16], ids=lambda t: f"tp{t}")
-@pytest.mark.parametrize("m", [1, 7, 16, 17, 40, 64], ids=lambda m: f"M{m}")
-def test_chained_stage_matches_reference_and_is_deterministic(tp, m, joint):
-    """F_A/beta in QKVG's launch and F_B waiting for its tiles: fp32-close outputs, the same bits every run, chain
-    counters left at zero. M past 16 runs several token tiles (F_B waits for every one). The joint launch runs
-    QKVG's tuned tactic (installed here) with 16-row CTAs, by every activation path."""
-    g, w = _chained_calls_and_weights(tp, m)
-    provider = CuteDslProvider()
-    if joint is not None:
-        provider.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, block_t_for(m)):
-                              dataclasses.replace(joint, block_t=block_t_for(m))})
-    x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
-    runs = []
-    for _ in range(3):
-        outs = [torch.full((m, c), float("nan"), device="cuda", dtype=torch.bfloat16)
-                for c in (g.qkvg_rows, g.fab_rows, g.local_width)]
-        provider.run_chained(x, w, *outs)
-        runs.append(outs)
-    torch.cuda.synchronize()
-    fab = runs[0][1]
-    refs = (x.float() @ w["qkvg"].float().t(), x.float() @ w["fab"].float().t(),
-            fab[:, : g.head_dim].float() @ w["fb"].float().t())
-    for name, out, ref in zip(("qkvg", "fab", "g1"), runs[0], refs):
-        assert not out.isnan().any(), name
-        assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2, name
-    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
-    assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
-
-
-def test_chained_stage_on_concurrent_streams_keeps_results_apart():
-    """Two streams running chained stages at once (each has its own chain counters) give their eager results."""
-    g, w = _chained_calls_and_weights(8, 4)
-    provider = CuteDslProvider()
-    xs = [torch.randn(4, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-
-    def outputs():
-        return [torch.full((4, c), float("nan"), device="cuda", dtype=torch.bfloat16)
-                for c in (g.qkvg_rows, g.fab_rows, g.local_width)]
-
-    expected = []
-    for x in xs:
-        expected.append(outputs())
-        provider.run_chained(x, w, *expected[-1])
-    streams = [torch.cuda.Stream() for _ in xs]
-    results = [[outputs() for _ in range(20)] for _ in xs]
-    torch.cuda.synchronize()
-    for i in range(20):
-        for s, (stream, x) in enumerate(zip(streams, xs)):
-            with torch.cuda.stream(stream):
-                provider.run_chained(x, w, *results[s][i])
-    torch.cuda.synchronize()
-    for s in range(2):
-        assert all(torch.equal(a, b) for outs in results[s] for a, b in zip(outs, expected[s]))
 
 
 @pytest.mark.parametrize("fab_tactic", [Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14),
@@ -269,11 +246,15 @@ def test_chained_stage_on_concurrent_streams_keeps_results_apart():
                                         Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
 def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
-    """F_A/beta and F_B trailing QKVG on one stream compute exactly what the plain kernels do (what the forked side
-    chain runs), and leave the chain counters at zero."""
+    """F_A/beta and F_B trailing QKVG on one stream (the provider's trailing side chain with these tactics)
+    compute exactly what the plain kernels do (what the forked side chain runs), and leave the chain counters at
+    zero; the launches are resolved once per operand layout."""
     g = preset("kimi-k3", 8)
     fab_tactic = dataclasses.replace(fab_tactic, block_t=block_t_for(m))
     fb_tactic = Tactic(16, 128, block_t_for(m), 2, x_via_l1=False)
+    provider = CuteDslProvider()
+    provider.add_tactics({("fab", g.fab_rows, g.hidden_size, tactic_bucket(m)): fab_tactic,
+                          ("fb", g.local_width, g.head_dim, tactic_bucket(m)): fb_tactic})
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     w_qkvg = torch.randn(g.qkvg_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
     w_fab = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
@@ -284,7 +265,7 @@ def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
                          for c in (g.qkvg_rows, g.fab_rows, g.local_width))
         launch(Tactic(16, 256, block_t_for(m), 4), x, w_qkvg, qkvg)
         if trailing:
-            launch_trailing(fab_tactic, fb_tactic, x, w_fab, fab, w_fb, g1)
+            provider.run_trailing(x, {"fab": w_fab, "fb": w_fb}, fab, g1)
         else:
             launch(fab_tactic, x, w_fab, fab)
             launch(fb_tactic, fab[:, : g.head_dim], w_fb, g1)
@@ -297,6 +278,7 @@ def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
     assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
     assert not arrival_counters.for_stream(torch.cuda.current_stream(), 1).any()
+    assert len(provider._trailing) == 1
 
 
 SENTINEL = 3.0  # what the memory right after an output or workspace holds, and must still hold after a launch
@@ -317,11 +299,11 @@ def _launch_with_guarded_workspace(tactic: Tactic, x: torch.Tensor, w: torch.Ten
     (m, k), n = x.shape, w.shape[0]
     kernel = compiled_gemms.get(kernel_key(tactic, n, k, x.stride(0), w.stride(0), x.device))
     if tactic.split_k == 1:
-        kernel(x, w, out.t())
+        kernel(x, w, out, None, None, None, None)
         return None
     work, guard = _guarded(tactic.split_k, m * n, torch.float32)
     counters = arrival_counters.for_stream(torch.cuda.current_stream(), output_tiles(tactic, n, m))
-    kernel(x, w, out.t(), work.view(tactic.split_k, m, n).permute(2, 1, 0), counters)
+    kernel(x, w, out, work.view(tactic.split_k, m, n), counters, None, None)
     return guard
 
 
@@ -372,10 +354,10 @@ def test_partial_row_block_matches_reference_and_stays_in_bounds(n, k, tactic, m
 
 @pytest.mark.parametrize("tp", [4, 16], ids=lambda t: f"tp{t}")
 @pytest.mark.parametrize("m", [1, 16, 17, 64], ids=lambda m: f"M{m}")
-def test_partial_row_block_in_linked_stages(tp, m):
-    """SGLang's F_A/beta (152 rows at TP4, 136 at TP16) through the provider alone, in the chained stage (the joint
-    weight's last row block partial) and trailing QKVG (signaling split-K): fp32-close from poisoned outputs,
-    nothing stored past any output, the trailing side chain bitwise equal to the plain kernels, counters at zero."""
+def test_partial_row_block_in_the_trailing_side_chain(tp, m):
+    """SGLang's F_A/beta (152 rows at TP4, 136 at TP16) through the provider alone and trailing QKVG (signaling
+    split-K): fp32-close from poisoned outputs, nothing stored past any output, the trailing side chain bitwise
+    equal to the plain kernels, counters at zero."""
     g = dataclasses.replace(preset("kimi-k3", tp), row_multiple=8)
     assert g.fab_rows % 16 == 8
     w = {
@@ -386,18 +368,15 @@ def test_partial_row_block_in_linked_stages(tp, m):
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     provider = CuteDslProvider()
     runs = {}
-    for mode in ("plain", "chained", "trailing"):
+    for mode in ("plain", "trailing"):
         (qkvg, qkvg_guard), (fab, fab_guard), (g1, g1_guard) = (
             _guarded(m, c) for c in (g.qkvg_rows, g.fab_rows, g.local_width))
-        if mode == "chained":
-            provider.run_chained(x, w, qkvg, fab, g1)
+        provider.run("qkvg", x, w["qkvg"], qkvg)
+        if mode == "trailing":
+            provider.run_trailing(x, w, fab, g1)
         else:
-            provider.run("qkvg", x, w["qkvg"], qkvg)
-            if mode == "trailing":
-                provider.run_trailing(x, w, fab, g1)
-            else:
-                provider.run("fab", x, w["fab"], fab)
-                provider.run("fb", fab[:, : g.head_dim], w["fb"], g1)
+            provider.run("fab", x, w["fab"], fab)
+            provider.run("fb", fab[:, : g.head_dim], w["fb"], g1)
         torch.cuda.synchronize()
         refs = (x.float() @ w["qkvg"].float().t(), x.float() @ w["fab"].float().t(),
                 fab[:, : g.head_dim].float() @ w["fb"].float().t())

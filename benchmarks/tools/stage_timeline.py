@@ -85,8 +85,9 @@ def patched_module():
 
 
 def compile_timed(module, tactic, n, k, x_row_stride, arch=None):
-    """The patched kernel through its split-K entry (counters and records in one buffer), for ``arch`` (default:
-    the current device's, or ``CUTE_DSL_ARCH``)."""
+    """The patched kernel, ``f(x, w, out, work, records)``: the records buffer in the arrival-counter slot (after
+    split-K's own counters; a kernel without split-K takes it there too and only writes records), the workspace
+    ``None`` without split-K; for ``arch`` (default: the current device's, or ``CUTE_DSL_ARCH``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -95,14 +96,17 @@ def compile_timed(module, tactic, n, k, x_row_stride, arch=None):
     m = cute.sym_int32(symbol="M")
     x = make_fake_tensor(cutlass.BFloat16, (m, k), (x_row_stride, 1), assumed_align=16)
     w = make_fake_tensor(cutlass.BFloat16, (n, k), (k, 1), assumed_align=16)
-    out_t = make_fake_tensor(cutlass.BFloat16, (n, m), (1, n), assumed_align=16)
-    work = make_fake_tensor(cutlass.Float32, (n, m, tactic.split_k), (1, n, cute.sym_int64()), assumed_align=16)
+    out = make_fake_tensor(cutlass.BFloat16, (m, n), (n, 1), assumed_align=16)
+    work = None
+    if tactic.split_k > 1:
+        work = make_fake_tensor(cutlass.Float32, (tactic.split_k, m, n), (cute.sym_int64(), n, 1), assumed_align=16)
     timeline = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="words"),), (1,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     arch = arch or compile_cache.target_arch(torch.device("cuda"))
     with compile_cache._launches_prefer_max_smem():
-        return cute.compile(gemm.split_k_call, x, w, out_t, work, timeline, stream,
-                            options=f"--enable-tvm-ffi --gpu-arch {arch}")
+        kernel = cute.compile(gemm, x, w, out, work, timeline, None, None, stream,
+                              options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    return lambda x, w, out, work, records: kernel(x, w, out, work, records, None, None)
 
 
 def rel(values: torch.Tensor, origin: int) -> torch.Tensor:
@@ -155,10 +159,10 @@ class TimedGemm:
         self.words = n // tactic.block_n if tactic.split_k > 1 else 0  # split-K counters: one token tile at M <= 16
         ctas = n // tactic.block_n * tactic.split_k
         self.buffers = [torch.zeros(self.words + ctas * WORDS, dtype=torch.int32, device="cuda") for _ in range(LAYERS)]
-        self.work = torch.empty(tactic.split_k, m, n, device="cuda").permute(2, 1, 0)
+        self.work = torch.empty(tactic.split_k, m, n, device="cuda") if tactic.split_k > 1 else None
 
     def __call__(self, i, x, w, out):
-        self.kernel(x, w, out.t(), self.work, self.buffers[i])
+        self.kernel(x, w, out, self.work, self.buffers[i])
 
     def records(self, i):
         return self.buffers[i][self.words:].view(-1, WORDS)

@@ -1,11 +1,13 @@
-"""Arrival counters for the split-K kernel's in-kernel reduction and the chained stage, one zeroed set per stream.
+"""Arrival counters for the split-K kernel's in-kernel reduction and the trailing side chain, one zeroed set per
+stream.
 
 Each split-K launch counts its CTAs in per output tile; the last to arrive reduces and resets the tile's counter to
 zero, so a set is zero again whenever no kernel using it is running. Kernels on one stream never overlap in their
 counter use (with programmatic launch, a kernel touches counters only after ``griddepcontrol.wait``, i.e. after its
 predecessor finished), so one set per stream is race-free; kernels on different streams get different sets. The
-last two counters of a set belong to the chained stage (:class:`~kda_backend.kernels.skinny_gemm.Link`): its two
-launches use them together, and the pair leaves them at zero before the next pair on the stream can touch them.
+last two counters of a set belong to the side chain trailing QKVG on one stream
+(:class:`~kda_backend.kernels.skinny_gemm.Link`): its signaling and its waiting launch use them together, and the
+pair leaves them at zero before the next pair on the stream can touch them.
 
 The sets are rows of one zero-initialised arena per device, allocated on first use outside capture (the provider's
 ``prepare`` reserves it before any capture; inside a capture a missing arena is an error, like an uncompiled
@@ -23,7 +25,7 @@ import threading
 import torch
 
 COUNTERS_PER_STREAM = 256  # output tiles of one launch, ceil(N / block_n) * ceil(M / block_t): Kimi-K3 F_A/beta 9-14
-CHAIN_COUNTERS = 2  # the last two of a row: the chained stage's pair (see skinny_gemm.Link)
+CHAIN_COUNTERS = 2  # the last two of a row: the trailing side chain's pair (see skinny_gemm.Link)
 SPLIT_K_COUNTERS = COUNTERS_PER_STREAM - CHAIN_COUNTERS
 STREAMS_PER_DEVICE = 1024  # streams are rarely destroyed in serving; 1 MiB per device covers test churn too
 
@@ -64,7 +66,7 @@ class ArrivalCounters:
         return self._row(stream)[:SPLIT_K_COUNTERS]
 
     def chain_for_stream(self, stream: torch.cuda.Stream) -> torch.Tensor:
-        """The chained stage's two counters ``[2]`` of ``stream`` (zero whenever no chained pair is running)."""
+        """The trailing side chain's two counters ``[2]`` of ``stream`` (zero whenever no such pair is running)."""
         return self._row(stream)[SPLIT_K_COUNTERS:]
 
     def _row(self, stream: torch.cuda.Stream) -> torch.Tensor:

@@ -5,9 +5,10 @@ tactic's grid) and the TVM-FFI calling convention, which takes torch tensors dir
 current stream, so a call costs microseconds and works inside CUDA-graph capture. Compiling inside a capture is
 refused: :meth:`CompiledGemms.get` must have run for the key beforehand (``KDAProjection.prepare``).
 
-Compiled kernels are cached in memory and on disk (``<cache dir>/kernels/<fingerprint>.o``, exported object
-files that load in milliseconds instead of compiling in seconds). The fingerprint covers the kernel source, the
-key and the toolchain versions, so a changed kernel or toolchain never loads a stale binary.
+Compiled kernels are cached in memory and, in a folder the caller passes (the provider's: ``<cache dir>/kernels``),
+on disk as ``<fingerprint>.o``, exported object files that load in milliseconds instead of compiling in seconds. The
+fingerprint covers the kernel source, the key and the toolchain versions, so a changed kernel or toolchain never
+loads a stale binary.
 
 On a machine without a GPU, ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``) selects the target, so CI compiles every
 kernel for every architecture.
@@ -101,10 +102,10 @@ def _launches_prefer_max_smem():
 
 
 def compile_gemm(key: KernelKey) -> Any:
-    """Compile one kernel for ``key.arch`` and return the TVM-FFI callable: ``f(x, w, out_t)``, or with split-K
-    ``f(x, w, out_t, work, arrivals)`` (see :meth:`SkinnyGemm.split_k_call`), a joint one ``f(x, w, out_t, w2,
-    out2_t, chain)``, a signaling one ``f(x, w, out_t, work, arrivals, chain)`` and a waiting one ``f(x, w, out_t,
-    chain, expected)`` (see :class:`Link`)."""
+    """Compile one kernel for ``key.arch`` and return the TVM-FFI callable
+    ``f(x, w, out, work, arrivals, chain, expected)`` (see :meth:`SkinnyGemm.__call__`): ``x [M, K]``,
+    ``w [N, K]``, ``out [M, N]`` as torch holds them; each optional operand a tensor (or int) where the key's tactic
+    and link use it, else ``None``."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -113,29 +114,20 @@ def compile_gemm(key: KernelKey) -> Any:
     m = cute.sym_int32(symbol="M")
     x = make_fake_tensor(cutlass.BFloat16, (m, key.k), (key.x_row_stride, 1), assumed_align=16)
     w = make_fake_tensor(cutlass.BFloat16, (key.n, key.k), (key.w_row_stride, 1), assumed_align=16)
-    out_t = make_fake_tensor(cutlass.BFloat16, (key.n, m), (1, key.n), assumed_align=16)
+    out = make_fake_tensor(cutlass.BFloat16, (m, key.n), (key.n, 1), assumed_align=16)
+    split, link = key.tactic.split_k, key.link
+    work = arrivals = chain = expected = None
+    if split > 1:
+        work = make_fake_tensor(cutlass.Float32, (split, m, key.n), (cute.sym_int64(), key.n, 1), assumed_align=16)
+        arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
+    if link.signals or link.waits:
+        chain = make_fake_tensor(cutlass.Int32, (2,), (1,), assumed_align=4)
+    if link.waits:
+        expected = cutlass.Int32(0)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
-    chain = make_fake_tensor(cutlass.Int32, (2,), (1,), assumed_align=4)
-    joint_rows = key.link.joint_rows
     with _launches_prefer_max_smem() as launches:
-        if joint_rows:
-            w2 = make_fake_tensor(cutlass.BFloat16, (joint_rows, key.k), (key.w_row_stride, 1), assumed_align=16)
-            out2_t = make_fake_tensor(cutlass.BFloat16, (joint_rows, m), (1, joint_rows), assumed_align=16)
-            kernel = cute.compile(gemm.joint_call, x, w, out_t, w2, out2_t, chain, stream, options=options)
-        elif key.link.waits:
-            kernel = cute.compile(gemm.waiting_call, x, w, out_t, chain, cutlass.Int32(0), stream, options=options)
-        elif key.tactic.split_k > 1 or key.link.signals:
-            work = make_fake_tensor(
-                cutlass.Float32, (key.n, m, key.tactic.split_k), (1, key.n, cute.sym_int64()), assumed_align=16
-            )
-            arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
-            if key.link.signals:
-                kernel = cute.compile(gemm.signaling_call, x, w, out_t, work, arrivals, chain, stream, options=options)
-            else:
-                kernel = cute.compile(gemm.split_k_call, x, w, out_t, work, arrivals, stream, options=options)
-        else:
-            kernel = cute.compile(gemm, x, w, out_t, stream, options=options)
+        kernel = cute.compile(gemm, x, w, out, work, arrivals, chain, expected, stream,
+                              options=f"--enable-tvm-ffi --gpu-arch {key.arch}")
     if launches[0] != 1:
         warn_once("carveout", f"expected one kernel launch to tag with the shared-memory carveout, saw {launches[0]}; "
                   "without it the overlapped stage may serialize (measured on H200: 31.9 instead of 23.2 us at M = 1)")
@@ -161,12 +153,6 @@ def fingerprint(key: KernelKey) -> str:
     return digest.hexdigest()[:32]
 
 
-def kernel_dir() -> Path:
-    from kda_backend.plugins import hooks  # the plugin manager imports the providers, which import this module
-
-    return hooks.cache_dir() / "kernels"
-
-
 def load_exported(path: Path, symbol: str) -> Any:
     """The TVM-FFI function ``symbol`` of an exported object file."""
     import cutlass.cute as cute
@@ -188,41 +174,64 @@ def export(kernel: Any, path: Path, symbol: str) -> None:
 
 
 class CompiledGemms:
-    """Process-wide cache of compiled kernels: memory, then the on-disk object files, then the compiler."""
+    """Process-wide cache of compiled kernels: memory, then the object files in a folder, then the compiler."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kernels: dict[KernelKey, Any] = {}
+        self._compiled: dict[KernelKey, Any] = {}  # the compiler's objects (what exports), for kernels compiled here
+        self._stored: set[tuple[KernelKey, Path]] = set()
 
-    def get(self, key: KernelKey) -> Any:
+    def get(self, key: KernelKey, folder: Path | None = None) -> Any:
+        """``key``'s kernel, ``f(x, w, out, work, arrivals, chain, expected)`` (see :func:`compile_gemm`): from
+        memory, else loaded from ``folder``, else compiled (never inside a CUDA-graph capture). With ``folder`` a
+        kernel compiled in this process is stored there as an object file (``None``: memory only)."""
         with self._lock:
             kernel = self._kernels.get(key)
-        if kernel is not None:
-            return kernel
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"kernel {key} was not compiled before CUDA-graph capture; call prepare() first")
-        kernel = self._from_disk_or_compile(key)
+            if kernel is not None and (folder is None or (key, folder) in self._stored):
+                return kernel
+        if kernel is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"kernel {key} was not compiled before CUDA-graph capture; call prepare() first")
+            kernel = self._load_or_compile(key, folder)
+        elif key in self._compiled:  # compiled before without a folder
+            self._store(key, folder, replace=False)
         with self._lock:
+            if folder is not None:
+                self._stored.add((key, folder))
             return self._kernels.setdefault(key, kernel)
 
-    @staticmethod
-    def _from_disk_or_compile(key: KernelKey) -> Any:
-        symbol = f"kda_gemm_{fingerprint(key)}"
-        path = kernel_dir() / f"{symbol}.o"
-        if path.exists():
-            try:
-                return load_exported(path, symbol)
-            except Exception as exc:  # a truncated or foreign file: recompile and overwrite it
-                warn_once(f"kernel-load:{path}", f"ignoring unreadable compiled kernel {path}: {exc}")
-        kernel = compile_gemm(key)
-        try:
-            export(kernel, path, symbol)
-        except Exception as exc:  # a read-only cache only costs the next process a compile
-            warn_once(f"kernel-export:{path.parent}", f"cannot write compiled kernels to {path.parent}: {exc}")
-        return kernel
+    def _load_or_compile(self, key: KernelKey, folder: Path | None) -> Any:
+        if folder is not None:
+            path = _object_file(key, folder)
+            if path.exists():
+                try:
+                    return load_exported(path, path.stem)
+                except Exception as exc:  # a truncated or foreign file: recompile and overwrite it
+                    warn_once(f"kernel-load:{path}", f"ignoring unreadable compiled kernel {path}: {exc}")
+        compiled = compile_gemm(key)
+        with self._lock:
+            self._compiled.setdefault(key, compiled)
+        if folder is not None:
+            self._store(key, folder, replace=True)
+        # The TVM-FFI function itself takes positional arguments, as one loaded from disk does; the compiled object's
+        # own call passes them through a Python keyword-argument wrapper first. Without an execution engine (a
+        # kernel for another architecture than this machine's) there is none, and the object's call says why.
+        function = compiled.__tvm_ffi_object__()
+        return compiled if function is None else function
 
-    def __contains__(self, key: KernelKey) -> bool:
-        return key in self._kernels
+    def _store(self, key: KernelKey, folder: Path, replace: bool) -> None:
+        path = _object_file(key, folder)
+        if path.exists() and not replace:
+            return
+        try:
+            export(self._compiled[key], path, path.stem)
+        except Exception as exc:  # a read-only cache only costs the next process a compile
+            warn_once(f"kernel-export:{folder}", f"cannot write compiled kernels to {folder}: {exc}")
+
+
+def _object_file(key: KernelKey, folder: Path) -> Path:
+    return folder / f"kda_gemm_{fingerprint(key)}.o"
 
 
 compiled_gemms = CompiledGemms()

@@ -23,6 +23,12 @@ The same kernel serves the three roles: QKVG (N = 4*hD, K = hidden), F_A/beta (N
 CTAs so it can run beside QKVG) and F_B (N = hD, K = D, x a strided view of F_A/beta's output).
 Shapes N, K and the row strides are compile-time constants; M is a runtime value up to ``block_t * grid_y``.
 
+One entry point, :meth:`SkinnyGemm.__call__`, serves every launch: x, w and out as torch holds them, then the
+operands of optional roles (split-K's workspace and arrival counters, the chain counters of the side chain trailing
+QKVG on one stream, see :class:`Link`), each ``None`` where the tactic and link give the kernel no such role. The
+DSL compiles a ``None`` argument as a constant (TVM-FFI then checks only that the call passes ``None`` there), so
+the key specialises the kernel and an unused role costs it nothing.
+
 N need only be a multiple of 8 (one 16-byte vector of output rows): SGLang pads F_A/beta to 8 rows, 136 at TP16.
 Where ``block_n`` does not divide N, the last row block is partial: its weight rows past N are never loaded (their
 shared-memory rows are zero-filled once) and its accumulator rows past N are never stored or published to the
@@ -185,30 +191,20 @@ def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """How one launch takes part in a stage whose launches share one stream and still run concurrently:
+    """How one launch takes part in the overlap on one stream (where the host allows no fork): QKVG, then F_A/beta
+    (``x_ready``, ``signals``), then F_B (``waits``), each launched programmatically behind the one before; the same
+    kernels as the forked overlap, so the same bits. The signaling and the waiting launch share ``chain``, two int32
+    counters that are zero before and after them.
 
-    - the chained stage: F_A/beta rides in QKVG's launch (``joint_rows``), and F_B, launched programmatically
-      behind it, starts as soon as F_A/beta's tiles are stored (``waits``) instead of when QKVG's last CTA ends;
-    - the overlap on one stream: QKVG, then F_A/beta (``x_ready``, ``signals``), then F_B (``waits``), each launched
-      programmatically behind the one before; the same kernels as the forked overlap, so the same bits.
-
-    The launches that signal and wait share ``chain``, two int32 counters that are zero before and after them.
-
-    :param joint_rows: rows of a second weight ``[joint_rows, K]`` multiplied by the same x in the same launch into
-        a second output (its row blocks come first in grid x); each of its output tiles counts
-        itself in on ``chain[0]`` once stored. 0: one weight.
-    :param waits: load x only after ``chain[0]`` reached the launch's ``expected`` count (every joint or signaling
-        tile of the launch before it). Each CTA then counts itself in on ``chain[1]``; the last resets both counters. The
-        kernel ends with ``griddepcontrol.wait``, so it never completes before the launch it waits for. Its wait
-        cannot block the joint launch: a programmatic launch starts only once every CTA of the launch before has
-        started (each releases it right after its own PDL wait), and a plain one only after that launch completed.
+    :param waits: load x only after ``chain[0]`` reached the launch's ``expected`` count (every tile of the
+        signaling launch before it). Each CTA then counts itself in on ``chain[1]``; the last resets both counters.
+        The kernel ends with ``griddepcontrol.wait``, so it never completes before the launch it waits for.
     :param signals: each output tile, once stored (a split-K tile once reduced), counts itself in on ``chain[0]``.
     :param x_ready: launched programmatically right behind the kernel that waited for x (QKVG), so x is complete
         when this launch starts: no ``griddepcontrol.wait`` before loading x; the next launch is released at once,
         and the kernel ends with ``griddepcontrol.wait``, so it never completes before the launch before it.
     """
 
-    joint_rows: int = 0
     waits: bool = False
     signals: bool = False
     x_ready: bool = False
@@ -218,18 +214,13 @@ NO_LINK = Link()  # a plain GEMM
 
 
 def validate_link(link: Link, tactic: Tactic) -> str | None:
-    """``None`` if ``tactic`` can take part in the chained stage as ``link`` says, else why not."""
-    roles = [name for name in ("joint_rows", "waits", "signals") if getattr(link, name)]
-    if len(roles) > 1:
-        return f"a launch takes one role in a linked stage, not {' and '.join(roles)}"
-    if link.x_ready and (link.joint_rows or link.waits):
-        return "x_ready is for a launch behind QKVG's (signals), not a joint or waiting one"
-    if link.joint_rows:
-        reason = _rows_reason("joint_rows", link.joint_rows, tactic.block_n)
-        if reason is not None:
-            return reason
-    if (link.joint_rows or link.waits) and tactic.split_k > 1:
-        return "a joint or waiting launch cannot split K"
+    """``None`` if ``tactic`` can take part in the overlap on one stream as ``link`` says, else why not."""
+    if link.waits and link.signals:
+        return "a launch either waits or signals, not both"
+    if link.x_ready and link.waits:
+        return "x_ready is for a launch behind QKVG's (signals), not a waiting one"
+    if link.waits and tactic.split_k > 1:
+        return "a waiting launch cannot split K"
     if link.waits and (tactic.x_via_l1 or tactic.x_tma or tactic.x_bulk):
         # x was written moments ago by other SMs: only L2 holds it coherently, and TMA and bulk copies read through
         # another proxy.
@@ -324,8 +315,8 @@ class SkinnyGemm:
             raise ValueError(reason)
         self.tactic, self.link = tactic, link
         self.n, self.k = n, k
-        # A weight's last row block is partial (see the module docstring): rows are then checked on load and store.
-        self.partial = bool(n % tactic.block_n or link.joint_rows % tactic.block_n)
+        # The last row block is partial (see the module docstring): rows are then checked on load and store.
+        self.partial = bool(n % tactic.block_n)
         self.x_row_stride, self.w_row_stride = x_row_stride, w_row_stride
 
     def _smem_layout(self, rows: int, for_tma: bool = False) -> cute.ComposedLayout:
@@ -352,49 +343,37 @@ class SkinnyGemm:
         threads = cute.make_layout((t.threads // lanes, lanes), stride=(lanes, 1))
         return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, ELEMS_PER_COPY)))
 
-    @cute.jit
-    def __call__(self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, stream):
-        """``m_x`` (M, K), ``m_w`` (N, K), ``m_out_t`` (N, M) = out transposed (stride (1, N)); ``split_k == 1``."""
-        # Slots a launch does not use are filled with tensors it has (w, out_t); the kernel never touches them.
-        self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_out_t, m_out_t, m_out_t, cutlass.Int32(0), stream)
+    def _check_roles(self, **operands) -> None:
+        """At compile time: every optional operand this kernel's roles use is given (see :meth:`__call__`)."""
+        t, link = self.tactic, self.link
+        used = {"m_work": t.split_k > 1, "m_arrivals": t.split_k > 1, "m_chain": link.signals or link.waits,
+                "expected": link.waits}
+        missing = [name for name, value in operands.items() if used[name] and value is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} required by tactic {t.key()} with {link}")
 
     @cute.jit
-    def split_k_call(
-        self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, m_work: cute.Tensor, m_arrivals: cute.Tensor,
+    def __call__(
+        self,
+        m_x: cute.Tensor,
+        m_w: cute.Tensor,
+        m_out: cute.Tensor,
+        m_work: cute.Tensor | None,
+        m_arrivals: cute.Tensor | None,
+        m_chain: cute.Tensor | None,
+        expected: cutlass.Int32 | None,
         stream,
     ):
-        """As :meth:`__call__` for ``split_k > 1``, plus ``m_work`` the fp32 workspace (N, M, split_k) with strides
-        (1, N, M*N) and ``m_arrivals`` int32 arrival counters (one per output tile, N/block_n * ceil(M/block_t)),
-        zero on entry and left zero on exit."""
-        self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_work, m_arrivals, m_arrivals, cutlass.Int32(0), stream)
+        """``out = x @ w.T``: ``m_x`` (M, K), ``m_w`` (N, K), ``m_out`` (M, N) contiguous, all bf16. The optional
+        operands serve the roles the tactic and link give this kernel, and are ``None`` where it has no such role
+        (compiled as constants: an unused slot costs nothing in the kernel and only a type check per call):
 
-    @cute.jit
-    def joint_call(
-        self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, m_w2: cute.Tensor, m_out2_t: cute.Tensor,
-        m_chain: cute.Tensor, stream,
-    ):
-        """As :meth:`__call__`, plus the joint weight ``m_w2`` (joint_rows, K) into ``m_out2_t`` (joint_rows, M)
-        (stride (1, joint_rows)), and ``m_chain`` the two int32 counters (see :class:`Link`)."""
-        self._launch(m_x, m_w, m_out_t, m_w2, m_out2_t, m_chain, m_chain, m_chain, cutlass.Int32(0), stream)
-
-    @cute.jit
-    def signaling_call(
-        self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, m_work: cute.Tensor, m_arrivals: cute.Tensor,
-        m_chain: cute.Tensor, stream,
-    ):
-        """As :meth:`split_k_call` (workspace and arrival counters unused without split-K), plus ``m_chain`` the
-        two int32 counters its stored tiles count themselves in on (see :class:`Link`)."""
-        self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_work, m_arrivals, m_chain, cutlass.Int32(0), stream)
-
-    @cute.jit
-    def waiting_call(
-        self, m_x: cute.Tensor, m_w: cute.Tensor, m_out_t: cute.Tensor, m_chain: cute.Tensor, expected: cutlass.Int32,
-        stream,
-    ):
-        """As :meth:`__call__`, loading x only once ``m_chain[0] == expected`` (see :class:`Link`)."""
-        self._launch(m_x, m_w, m_out_t, m_w, m_out_t, m_chain, m_chain, m_chain, expected, stream)
-
-    def _launch(self, m_x, m_w, m_out_t, m_w2, m_out2_t, m_work, m_arrivals, m_chain, expected, stream):
+        - with ``split_k > 1``, ``m_work`` the fp32 workspace (split_k, M, N) contiguous, and ``m_arrivals`` int32
+          arrival counters (one per output tile, ``output_tiles``), zero on entry and left zero on exit;
+        - with ``link.signals`` or ``link.waits``, ``m_chain`` the two int32 chain counters (see :class:`Link`);
+        - with ``link.waits``, ``expected`` the count ``chain[0]`` must reach before x is loaded.
+        """
+        self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
         t = self.tactic
         dtype = m_w.element_type
         along_rows, along_tokens = t.warp_grid
@@ -410,8 +389,7 @@ class SkinnyGemm:
             s_x_layout = cute.make_layout((t.block_t, t.block_k, t.stages), stride=(row, 1, t.block_t * row))
         else:
             s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
-        blocks = row_blocks(self.n, t.block_n) + row_blocks(self.link.joint_rows, t.block_n)
-        grid = (blocks, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
+        grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         g2s_w = self._g2s_copy(dtype)
         if cutlass.const_expr(t.x_tma):
             # The descriptor is encoded per call from m_x, so it covers this call's M (rows past it read as zero).
@@ -421,9 +399,12 @@ class SkinnyGemm:
         else:
             # The weights' tiled copy partitions the activation tiles too (bulk copies do not use it).
             x_copy, x_src = g2s_w, m_x
+        # The kernel works on the swap-AB views: out transposed (N, M) and the workspace as (N, M, split_k).
+        m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
+        if cutlass.const_expr(m_work is not None):
+            m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
         self.kernel(
-            m_x, m_w, m_out_t, m_w2, m_out2_t, m_work, m_arrivals, m_chain, expected,
-            s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma,
+            m_x, m_w, m_out_t, m_work, m_arrivals, m_chain, expected, s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma
         ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
@@ -432,12 +413,10 @@ class SkinnyGemm:
         m_x: cute.Tensor,
         m_w: cute.Tensor,
         m_out_t: cute.Tensor,
-        m_w2: cute.Tensor,
-        m_out2_t: cute.Tensor,
-        m_work: cute.Tensor,
-        m_arrivals: cute.Tensor,
-        m_chain: cute.Tensor,
-        expected: cutlass.Int32,
+        m_work: cute.Tensor | None,
+        m_arrivals: cute.Tensor | None,
+        m_chain: cute.Tensor | None,
+        expected: cutlass.Int32 | None,
         s_w_layout: cute.ComposedLayout,
         s_x_layout: cute.ComposedLayout | cute.Layout,
         g2s_w: cute.TiledCopy,
@@ -445,10 +424,9 @@ class SkinnyGemm:
         x_src: cute.Tensor,
         mma: cute.TiledMma,
     ):
-        """``x_copy`` / ``x_src``: the cp.async tiled copy (unused with ``x_bulk``) and ``m_x``, or with ``x_tma``
-        the TMA atom and its coordinate tensor over ``m_x``. ``m_w2`` / ``m_out2_t``: the
-        joint weight and its output, and ``m_chain`` / ``expected`` the chain counters and count (see
-        :class:`Link`); slots a launch does not use hold other tensors and are never touched."""
+        """``m_out_t`` (N, M): out transposed; ``m_work`` (N, M, split_k): the split-K workspace, or ``None``, as
+        the other optional operands (see :meth:`__call__`). ``x_copy`` / ``x_src``: the cp.async tiled copy (unused
+        with ``x_bulk``) and ``m_x``, or with ``x_tma`` the TMA atom and its coordinate tensor over ``m_x``."""
         t, link = self.tactic, self.link
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, bidz = cute.arch.block_idx()
@@ -456,27 +434,12 @@ class SkinnyGemm:
         k_tiles = self.k // t.block_k // t.split_k
         k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
 
-        # A joint launch's first row blocks belong to the joint weight, so their CTAs start first (measured on H200:
-        # they still end with the slowest QKVG CTAs, see benchmarks/RESULTS.md, 2026-11-30 fifth session). Both
-        # weights' tiles are partitioned (each at a valid block index); each load and store picks one by the CTA's
-        # uniform flag.
-        joint_blocks = row_blocks(link.joint_rows, t.block_n)
-        joint = cutlass.Int32(0)
-        if cutlass.const_expr(joint_blocks > 0):
-            if bidx < joint_blocks:
-                joint = cutlass.Int32(1)
-        block_a = (bidx - joint_blocks) * (1 - joint)
-        block_b = bidx * joint
-
         # Tiles of this CTA: gW (block_n, block_k, k_tiles), gX (block_t, block_k, k_tiles), gO (block_n, block_t)
-        g_w = cute.local_tile(m_w, (t.block_n, t.block_k), (block_a, None))
+        g_w = cute.local_tile(m_w, (t.block_n, t.block_k), (bidx, None))
         g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (bidy, None))
-        g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (block_a, bidy))
+        g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
         c_x = cute.local_tile(cute.make_identity_tensor(m_x.shape), (t.block_t, t.block_k), (bidy, None))
-        c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (block_a, bidy))
-        g_w2 = cute.local_tile(m_w2, (t.block_n, t.block_k), (block_b, None))
-        g_o2 = cute.local_tile(m_out2_t, (t.block_n, t.block_t), (block_b, bidy))
-        c_o2 = cute.local_tile(cute.make_identity_tensor(m_out2_t.shape), (t.block_n, t.block_t), (block_b, bidy))
+        c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
 
         smem = cutlass.memory.SmemAllocator()
         s_w = smem.allocate_tensor(m_w.element_type, s_w_layout, 128)
@@ -491,12 +454,11 @@ class SkinnyGemm:
 
         thr_g2s_w = g2s_w.get_slice(tidx)
         t_gw = thr_g2s_w.partition_S(g_w)
-        t_gw2 = thr_g2s_w.partition_S(g_w2)
         t_sw = thr_g2s_w.partition_D(s_w)
         p_w = None
         if cutlass.const_expr(self.partial):
-            # Rows of this CTA's weight block that exist (all but in the last block of a weight).
-            rows_left = (self.n - block_a * t.block_n) * (1 - joint) + (link.joint_rows - block_b * t.block_n) * joint
+            # Rows of this CTA's weight block that exist (all but in the last block).
+            rows_left = self.n - bidx * t.block_n
             t_cw = thr_g2s_w.partition_S(cute.make_identity_tensor((t.block_n, t.block_k)))
             # Predicates per (vector, row, k-vector) with the K mode broadcast (stride 0), as for x below.
             p_w = cute.make_rmem_tensor(
@@ -557,13 +519,13 @@ class SkinnyGemm:
         w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
         for s in cutlass.range_constexpr(t.stages - 1):
             if s < k_tiles:
-                self._load_w(t_gw, t_gw2, t_sw, p_w, joint, k_first + s, s, w_policy)
+                self._load_w(t_gw, t_sw, p_w, k_first + s, s, w_policy)
         if cutlass.const_expr(link.waits):
             # The next kernel may take the slots QKVG's CTAs free as early as it would behind QKVG itself; it still
             # waits for this launch to complete (which waits for QKVG's, see _count_out).
             if cutlass.const_expr(t.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
-            # x is the joint tiles' output of the launch before, which may still be running: wait for them only.
+            # x is the signaling launch's output, which may still be running: wait for its tiles only.
             # Relaxed polls and one fence after: an acquire load invalidates this SM's L1 each time, which the
             # QKVG CTAs beside it use to share activations.
             if tidx == 0:
@@ -620,7 +582,7 @@ class SkinnyGemm:
             if nxt < k_tiles:
                 slot = nxt % t.stages
                 k_load = k_first + nxt
-                self._load_w(t_gw, t_gw2, t_sw, p_w, joint, k_load, slot, w_policy)
+                self._load_w(t_gw, t_sw, p_w, k_load, slot, w_policy)
                 self._load_x(
                     x_copy, t_gx, t_sx, p_x, x_full, k_load, slot, tidx, m_tokens - bidy * t.block_t, x_policy
                 )
@@ -639,12 +601,6 @@ class SkinnyGemm:
                 self._store_tile(acc, thr_mma, s_o, g_o, c_o, self.n, m_tokens, tidx)
                 if cutlass.const_expr(link.signals):
                     self._signal(m_chain, tidx)
-        elif cutlass.const_expr(link.joint_rows > 0):
-            if joint != 0:
-                self._store_tile(acc, thr_mma, s_o, g_o2, c_o2, link.joint_rows, m_tokens, tidx)
-                self._signal(m_chain, tidx)
-            else:
-                self._store_tile(acc, thr_mma, s_o, g_o, c_o, self.n, m_tokens, tidx)
         else:
             self._store_tile(acc, thr_mma, s_o, g_o, c_o, self.n, m_tokens, tidx)
             if cutlass.const_expr(link.signals):
@@ -663,21 +619,11 @@ class SkinnyGemm:
             cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def _load_w(self, t_gw, t_gw2, t_sw, p_w, joint, k, slot, policy):
-        """Start loading weight K-tile ``k`` into ring slot ``slot``, from the joint weight where ``joint``, the rows
-        ``p_w`` holds only where a row block is partial; L2 evicts these lines first (``policy``, see
-        :mod:`kda_backend.kernels.l2_cache_policy`)."""
-        if cutlass.const_expr(self.link.joint_rows > 0):
-            if joint != 0:
-                self._copy_w(t_gw2[None, None, None, k], t_sw[None, None, None, slot], p_w, policy)
-            else:
-                self._copy_w(t_gw[None, None, None, k], t_sw[None, None, None, slot], p_w, policy)
-        else:
-            self._copy_w(t_gw[None, None, None, k], t_sw[None, None, None, slot], p_w, policy)
-
-    def _copy_w(self, src, dst, p_w, policy):
-        """One weight K-tile's copies of this thread; by row predicate only where a row block is partial."""
-        if self.partial:
+    def _load_w(self, t_gw, t_sw, p_w, k, slot, policy):
+        """Start loading weight K-tile ``k`` into ring slot ``slot``, only the rows ``p_w`` holds where the row block
+        is partial; L2 evicts these lines first (``policy``, see :mod:`kda_backend.kernels.l2_cache_policy`)."""
+        src, dst = t_gw[None, None, None, k], t_sw[None, None, None, slot]
+        if cutlass.const_expr(self.partial):
             copy_with_policy_where(src, dst, p_w, policy, False)
         else:
             copy_with_policy(src, dst, policy)

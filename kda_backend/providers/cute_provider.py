@@ -4,12 +4,21 @@ Supported: CUDA devices of compute capability 9.x (Hopper) and 10.x (Blackwell),
 multiple of 8 (the last row block may be half a 16-row tile, e.g. SGLang's F_A/beta at TP16, 136 rows), K of 64,
 16-byte aligned rows. The tactic per (role, M bucket) comes from the tuned tactic table when one was loaded
 (:meth:`CuteDslProvider.add_tactics`), else the kernel's default.
+
+Launches are lean: :meth:`CuteDslProvider.launcher` resolves a call's tactic and compiled kernel once (with split-K
+also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and the side chain
+trailing QKVG is resolved once per operand layout (:meth:`CuteDslProvider.run_trailing`). Launches make no Python
+checks: the TVM-FFI function checks every tensor's dtype, device, static shape, strides and 16-byte alignment in C
+before it launches, and raises ``ValueError`` or ``TypeError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +26,7 @@ from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.skinny_gemm import (
     ELEMS_PER_COPY,
+    NO_LINK,
     Link,
     Tactic,
     block_t_for,
@@ -26,24 +36,38 @@ from kda_backend.kernels.skinny_gemm import (
     validate_link,
     validate_tactic,
 )
-from kda_backend.providers.base import GemmCall, GemmProvider, cuda_bf16_reason
+from kda_backend.providers.base import GemmCall, GemmProvider, Launcher, cuda_bf16_reason
 
 MAX_M = 64
 SUPPORTED_MAJORS = (9, 10)
-JOINT_BLOCK_N = 16  # rows per CTA of the chained stage's joint launch (see CuteDslProvider.chained_tactics)
+SIGNALS = Link(signals=True, x_ready=True)  # F_A/beta trailing QKVG on its stream
+WAITS = Link(waits=True)  # F_B behind it
+
+# ``(x [M, K], w_fab [fab_rows, K], fab [M, fab_rows], w_fb [hD, D], g1 [M, hD])``: the trailing side chain.
+TrailingLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class CuteDslProvider(GemmProvider):
     name = "cute"
     priority = 100
 
-    def __init__(self) -> None:
+    def __init__(self, cache_dir: Callable[[], Path] | None = None) -> None:
+        """:param cache_dir: the cache folder, asked whenever a kernel is first needed; compiled kernels are kept in
+            its ``kernels`` folder for later processes. ``None``: kernels are kept in memory only."""
+        self._cache_dir = cache_dir
         self._tactics: dict[tuple[str, int, int, int], Tactic] = {}
+        self._trailing: dict[tuple, TrailingLauncher] = {}
+
+    def kernel_folder(self) -> Path | None:
+        """Where compiled kernels are kept on disk, or ``None`` (memory only)."""
+        return None if self._cache_dir is None else self._cache_dir() / "kernels"
 
     def add_tactics(self, tactics: dict[tuple[str, int, int, int], Tactic]) -> None:
         """Install tuned tactics keyed by ``(role, n, k, bucket)`` (see
-        :func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`; later entries win)."""
+        :func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`; later entries win). Launchers built before keep the
+        tactics they were built with."""
         self._tactics.update(tactics)
+        self._trailing.clear()
 
     def tactic(self, call: GemmCall) -> Tactic:
         for bucket in dict.fromkeys((tactic_bucket(call.m), block_t_for(call.m))):
@@ -65,31 +89,37 @@ class CuteDslProvider(GemmProvider):
         return validate_tactic(self.tactic(call), call.n, call.k, call.x_row_stride)
 
     def prepare(self, call: GemmCall) -> None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = _current_device()
         tactic = self.tactic(call)
-        compiled_gemms.get(kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device))
+        self._kernel(tactic, call, device)
         if tactic.split_k > 1:
             arrival_counters.reserve(device)
+
+    def launcher(self, call: GemmCall) -> Launcher:
+        """``(x [M, K], w [N, K], out [M, N])`` -> ``out = x @ w.T`` on the current stream, for ``call``'s M, N, K and
+        row strides on the current device: the tactic and kernel are resolved here (compiled by :meth:`prepare`), a
+        split-K launch's workspace and counters once per stream."""
+        device = _current_device()
+        tactic = self.tactic(call)
+        kernel = self._kernel(tactic, call, device)
+        if tactic.split_k == 1:
+
+            def launch_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+                kernel(x, w, out, None, None, None, None)
+
+            return launch_gemm
+        split_k = PerStream(lambda stream: _split_k_operands(tactic, call.m, call.n, stream), device)
+
+        def launch_split_k(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+            kernel(x, w, out, *split_k.current(), None, None)
+
+        return launch_split_k
 
     def run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         _check_aligned(role, {"x": x, "w": w, "out": out})
         if not out.is_contiguous():
             raise ValueError(f"{role}: out must be contiguous [M, N], got stride {out.stride()}")
-        launch(self.tactic(_calls(x, {role: (w, x)})[role]), x, w, out)
-
-    def chained_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
-        """The joint launch's tactic (QKVG's with 16-row CTAs, or the 16-row default where that one cannot join
-        F_A/beta) and the waiting launch's (F_B's, with activations from L2 and without split-K, see
-        :class:`Link`). F_B waits for F_A/beta's tiles, so those must end early: with QKVG's 48-row CTAs, three CTAs
-        carried F_A/beta's whole 2 MB and ended after QKVG's (measured on H200 for Kimi-K3 TP8: 39.7-40.1 us per
-        layer at M = 2..16, against 22.9-24.1 with 16-row CTAs in the session before and 23.6-26.0 at M = 1..16 in
-        the session after, benchmarks/RESULTS.md)."""
-        qkvg, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
-        joint = dataclasses.replace(self.tactic(qkvg), block_n=JOINT_BLOCK_N)
-        if validate_tactic(joint, qkvg.n, qkvg.k, qkvg.x_row_stride) or validate_link(Link(joint_rows=fab.n), joint):
-            joint = default_tactic(qkvg.n, qkvg.k, qkvg.m)
-        waiting = dataclasses.replace(self.tactic(fb).with_activations_from_l2(), split_k=1)
-        return joint, waiting
+        launch(self.tactic(_calls(x, {role: (w, x)})[role]), x, w, out, self.kernel_folder())
 
     def trailing_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
         """F_A/beta's and F_B's tactics, with activations from L2 (see :meth:`run_trailing`)."""
@@ -98,64 +128,96 @@ class CuteDslProvider(GemmProvider):
         return fab, fb
 
     def why_not_trailing(self, calls: dict[str, GemmCall]) -> str | None:
-        fab, fb = self.trailing_tactics(calls)
-        return (self._why_not_each(calls) or validate_link(Link(signals=True, x_ready=True), fab)
-                or validate_link(Link(waits=True), fb))
-
-    def prepare_trailing(self, calls: dict[str, GemmCall]) -> None:
-        fab, fb = self.trailing_tactics(calls)
-        _compile_linked(((fab, calls["fab"], Link(signals=True, x_ready=True)), (fb, calls["fb"], Link(waits=True))))
-
-    def run_trailing(
-        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor
-    ) -> None:
-        w_fab, w_fb = weights["fab"], weights["fb"]
-        _check_aligned("trailing side chain", {"x": x, "w_fab": w_fab, "w_fb": w_fb, "fab": fab, "g1": g1})
-        calls = _calls(x, {"fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
-        launch_trailing(*self.trailing_tactics(calls), x, w_fab, fab, w_fb, g1)
-
-    def why_not_chained(self, calls: dict[str, GemmCall]) -> str | None:
-        reason = self._why_not_each(calls)
-        if reason is not None:
-            return reason
-        if calls["fab"].w_row_stride != calls["qkvg"].w_row_stride:
-            return "F_A/beta's weight rows must have QKVG's stride (one launch reads both)"
-        joint, waiting = self.chained_tactics(calls)
-        fb = calls["fb"]
-        return (validate_link(Link(joint_rows=calls["fab"].n), joint) or validate_link(Link(waits=True), waiting)
-                or validate_tactic(waiting, fb.n, fb.k, fb.x_row_stride))
-
-    def prepare_chained(self, calls: dict[str, GemmCall]) -> None:
-        joint, waiting = self.chained_tactics(calls)
-        _compile_linked(((joint, calls["qkvg"], Link(joint_rows=calls["fab"].n)),
-                         (waiting, calls["fb"], Link(waits=True))))
-
-    def _why_not_each(self, calls: dict[str, GemmCall]) -> str | None:
-        """The first role's reason this provider cannot serve its GEMM at all, named by role."""
         for call in calls.values():
             reason = self.why_not(call)
             if reason is not None:
                 return f"{call.role}: {reason}"
-        return None
+        fab, fb = self.trailing_tactics(calls)
+        return validate_link(SIGNALS, fab) or validate_link(WAITS, fb)
 
-    def run_chained(
-        self, x: torch.Tensor, weights: dict[str, torch.Tensor], qkvg: torch.Tensor, fab: torch.Tensor,
-        g1: torch.Tensor,
+    def prepare_trailing(self, calls: dict[str, GemmCall]) -> None:
+        self._trailing[_trailing_key(calls["fab"], calls["fb"])] = self._trailing_launcher(calls)
+
+    def run_trailing(
+        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor
     ) -> None:
-        w_qkvg, w_fab, w_fb = weights["qkvg"], weights["fab"], weights["fb"]
-        _check_aligned("chained stage", {"x": x, "w_qkvg": w_qkvg, "w_fab": w_fab, "w_fb": w_fb, "qkvg": qkvg,
-                                         "fab": fab, "g1": g1})
-        calls = _calls(x, {"qkvg": (w_qkvg, x), "fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
-        joint, waiting = self.chained_tactics(calls)
-        launch_chained(joint, waiting, x, w_qkvg, qkvg, w_fab, fab, w_fb, g1)
+        """See :meth:`GemmProvider.run_trailing`; the launches of each operand layout (M, shapes, row strides) are
+        resolved once, by :meth:`prepare_trailing` or on the layout's first call."""
+        w_fab, w_fb = weights["fab"], weights["fb"]
+        key = (x.shape[0], x.stride(0), w_fab.shape, w_fab.stride(0), w_fb.shape, w_fb.stride(0), fab.stride(0))
+        run = self._trailing.get(key)
+        if run is None:
+            calls = _calls(x, {"fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
+            run = self._trailing[key] = self._trailing_launcher(calls)
+        run(x, w_fab, fab, w_fb, g1)
+
+    def _trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
+        """The side chain right behind QKVG's launch on the same stream: ``fab = x @ w_fab.T`` launched as soon as
+        every QKVG CTA passed its wait for x, then ``g1 = fab[:, :D] @ w_fb.T`` as soon as ``fab``'s tiles are
+        stored (see :class:`~kda_backend.kernels.skinny_gemm.Link`). The tactics are the forked side chain's with
+        activations from L2: the same arithmetic, so the same bits."""
+        fab_call, fb_call = calls["fab"], calls["fb"]
+        fab_tactic, fb_tactic = self.trailing_tactics(calls)
+        reason = validate_link(SIGNALS, fab_tactic) or validate_link(WAITS, fb_tactic)
+        if reason is not None:
+            raise ValueError(f"trailing side chain: {reason}")
+        device = _current_device()
+        first = self._kernel(fab_tactic, fab_call, device, SIGNALS)
+        second = self._kernel(fb_tactic, fb_call, device, WAITS)
+        arrival_counters.reserve(device)
+        expected = output_tiles(fab_tactic, fab_call.n, fab_call.m)  # F_A/beta's tiles, what F_B waits for
+        d = fb_call.k
+
+        def operands(stream: torch.cuda.Stream) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+            work, arrivals = (
+                _split_k_operands(fab_tactic, fab_call.m, fab_call.n, stream) if fab_tactic.split_k > 1 else (None, None)
+            )
+            return work, arrivals, arrival_counters.chain_for_stream(stream)
+
+        per_stream = PerStream(operands, device)
+
+        def run(x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor, g1: torch.Tensor) -> None:
+            work, arrivals, chain = per_stream.current()
+            first(x, w_fab, fab, work, arrivals, chain, None)
+            second(fab.narrow(1, 0, d), w_fb, g1, None, None, chain, expected)
+
+        return run
+
+    def _kernel(self, tactic: Tactic, call: GemmCall, device: torch.device, link: Link = NO_LINK) -> Any:
+        key = kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device, link)
+        return compiled_gemms.get(key, self.kernel_folder())
 
 
-def _compile_linked(launches: tuple[tuple[Tactic, GemmCall, Link], ...]) -> None:
-    """Compile a linked pair's kernels and reserve the counters they share (before any capture)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    for tactic, call, link in launches:
-        compiled_gemms.get(kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device, link))
-    arrival_counters.reserve(device)
+class PerStream:
+    """Operands each stream needs its own of (a split-K workspace, counters), made by ``make(stream)`` on the
+    stream's first launch and kept: the current stream's when built, so those are made outside any CUDA-graph
+    capture. A stream first seen inside a capture gets them from the capture's memory pool, where they stay
+    allocated, held here, for every replay and later launch."""
+
+    def __init__(self, make: Callable[[torch.cuda.Stream], tuple], device: torch.device) -> None:
+        self._make = make
+        self._device = device
+        self._by_stream: dict[int, tuple] = {}
+        # The raw handle of the current stream, without building a torch Stream object per launch.
+        self._raw_stream = torch._C._cuda_getCurrentRawStream
+        self.current()
+
+    def current(self) -> tuple:
+        """The current stream's operands."""
+        operands = self._by_stream.get(self._raw_stream(self._device.index))
+        if operands is None:
+            stream = torch.cuda.current_stream(self._device)
+            operands = self._by_stream[stream.cuda_stream] = self._make(stream)
+        return operands
+
+
+def _current_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _trailing_key(fab: GemmCall, fb: GemmCall) -> tuple:
+    """:meth:`CuteDslProvider.run_trailing`'s cache key of these calls."""
+    return (fab.m, fab.x_row_stride, (fab.n, fab.k), fab.w_row_stride, (fb.n, fb.k), fb.w_row_stride, fb.x_row_stride)
 
 
 def _check_aligned(what: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -173,59 +235,19 @@ def _calls(x: torch.Tensor, operands: dict[str, tuple[torch.Tensor, torch.Tensor
     }
 
 
-def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[M, N] = x @ w.T`` with one tactic (compiled on first use; never inside a capture)."""
+def _split_k_operands(tactic: Tactic, m: int, n: int, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-K launch's fp32 workspace ``[split_k, M, N]`` and ``stream``'s arrival counters."""
+    workspace = torch.empty(tactic.split_k, m, n, device=stream.device, dtype=torch.float32)
+    return workspace, arrival_counters.for_stream(stream, output_tiles(tactic, n, m))
+
+
+def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, folder: Path | None = None) -> None:
+    """``out[M, N] = x @ w.T`` with one tactic on the current stream (autotuning, tools): the kernel compiled, or
+    loaded from ``folder``, on first use (never inside a capture), a split-K workspace per call. Serving launches
+    through :meth:`CuteDslProvider.launcher`."""
     n, k = w.shape
-    kernel = compiled_gemms.get(kernel_key(tactic, n, k, x.stride(0), w.stride(0), x.device))
+    kernel = compiled_gemms.get(kernel_key(tactic, n, k, x.stride(0), w.stride(0), x.device), folder)
     if tactic.split_k == 1:
-        kernel(x, w, out.t())
+        kernel(x, w, out, None, None, None, None)
         return
-    kernel(x, w, out.t(), *_split_k_operands(tactic, x, n))
-
-
-def _split_k_operands(tactic: Tactic, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 workspace view (N, M, split_k) and the current stream's arrival counters for one split-K launch."""
-    m = x.shape[0]
-    counters = arrival_counters.for_stream(torch.cuda.current_stream(x.device), output_tiles(tactic, n, m))
-    workspace = torch.empty(tactic.split_k, m, n, device=x.device, dtype=torch.float32)
-    return workspace.permute(2, 1, 0), counters
-
-
-def launch_trailing(
-    fab_tactic: Tactic, fb_tactic: Tactic, x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor,
-    w_fb: torch.Tensor, g1: torch.Tensor,
-) -> None:
-    """The side chain right behind QKVG's launch on the same stream: ``fab = x @ w_fab.T`` launched as soon as every
-    QKVG CTA passed its wait for x, then ``g1 = fab[:, :K] @ w_fb.T`` (K = w_fb's columns) as soon as ``fab``'s tiles
-    are stored (see :class:`~kda_backend.kernels.skinny_gemm.Link`). The tactics must be the forked side chain's with
-    activations from L2: the same arithmetic, so the same bits."""
-    m, n, k = x.shape[0], w_fab.shape[0], w_fab.shape[1]
-    first = compiled_gemms.get(
-        kernel_key(fab_tactic, n, k, x.stride(0), w_fab.stride(0), x.device, Link(signals=True, x_ready=True))
-    )
-    f_a = fab[:, : w_fb.shape[1]]
-    second = compiled_gemms.get(
-        kernel_key(fb_tactic, w_fb.shape[0], w_fb.shape[1], f_a.stride(0), w_fb.stride(0), x.device, Link(waits=True))
-    )
-    chain = arrival_counters.chain_for_stream(torch.cuda.current_stream(x.device))
-    first(x, w_fab, fab.t(), *_split_k_operands(fab_tactic, x, n), chain)
-    second(f_a, w_fb, g1.t(), chain, output_tiles(fab_tactic, n, m))
-
-
-def launch_chained(
-    joint: Tactic, waiting: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, w2: torch.Tensor,
-    out2: torch.Tensor, w3: torch.Tensor, out3: torch.Tensor,
-) -> None:
-    """The chained stage on the current stream: ``out = x @ w.T`` and ``out2 = x @ w2.T`` in one launch, then
-    ``out3 = out2[:, :K3] @ w3.T`` (K3 = w3's columns) in a second that starts loading as soon as ``out2`` is stored
-    (see :class:`~kda_backend.kernels.skinny_gemm.Link`). ``w2`` has ``w``'s row stride; compiled on first use."""
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    link = Link(joint_rows=w2.shape[0])
-    first = compiled_gemms.get(kernel_key(joint, n, k, x.stride(0), w.stride(0), x.device, link))
-    x3 = out2[:, : w3.shape[1]]
-    second = compiled_gemms.get(
-        kernel_key(waiting, w3.shape[0], w3.shape[1], x3.stride(0), w3.stride(0), x.device, Link(waits=True))
-    )
-    chain = arrival_counters.chain_for_stream(torch.cuda.current_stream(x.device))
-    first(x, w, out.t(), w2, out2.t(), chain)
-    second(x3, w3, out3.t(), chain, output_tiles(joint, link.joint_rows, m))
+    kernel(x, w, out, *_split_k_operands(tactic, x.shape[0], n, torch.cuda.current_stream(x.device)), None, None)
