@@ -43,7 +43,7 @@ def _build_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     blocked = set(env.name_list("KDA_BACKEND_BLOCK_PLUGINS"))
-    builtins = builtin_plugins()
+    builtins = builtin_plugins(cache_dir=hooks.cache_dir)
     for name, plugin in builtins.items():
         if name in blocked:
             warn_once(f"block-builtin-{name}", f"built-in plugin {name!r} cannot be blocked; keeping it")
