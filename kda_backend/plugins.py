@@ -185,9 +185,13 @@ class Hooks:
     def __init__(self) -> None:
         self._providers: list[GemmProvider] | None = None
         self._owners: dict[str, str] = {}
+        # Hook name -> its implementations in call order, until plugins change: the fork check runs on every
+        # overlapped projection call, so it must not walk pluggy's registry each time.
+        self._impls: dict[str, list[Any]] = {}
 
     def invalidate(self) -> None:
         self._providers = None
+        self._impls = {}
 
     @property
     def _hook(self) -> Any:
@@ -198,7 +202,10 @@ class Hooks:
         in call order; only the first if ``first``. ``check`` returns the answer as the caller takes it or raises
         :class:`_Refused`."""
         answers = []
-        for impl in reversed(getattr(self._hook, hook_name).get_hookimpls()):
+        impls = self._impls.get(hook_name)
+        if impls is None:
+            impls = self._impls[hook_name] = list(reversed(getattr(self._hook, hook_name).get_hookimpls()))
+        for impl in impls:
             try:
                 if impl.wrapper or impl.hookwrapper:
                     raise _Refused("is a hook wrapper; kda-backend calls each implementation alone")
