@@ -115,7 +115,7 @@ def _model(projections, compute_fb):
 
 def _assert_all_equal(got, expected, what):
     for layer, (a_out, b_out) in enumerate(zip(got[0], expected[0], strict=True)):
-        for name, a, b in zip(("qkvg", "fab", "g1"), a_out, b_out, strict=True):
+        for name, a, b in zip(("qkvg", "fab", "g1")[: len(a_out)], a_out, b_out, strict=True):
             assert not a.isnan().any(), f"{what}: layer {layer} {name} has NaN"
             assert torch.equal(a, b), f"{what}: layer {layer} {name} differs"
     assert torch.equal(got[1], expected[1]), f"{what}: the tail's output differs"
