@@ -81,11 +81,14 @@ def graph_time_per_layer(layer: Callable[[int], object], layers: int = 24, repla
     return statistics.median(times) / layers
 
 
-def eager_time_per_call(call: Callable[[int], object], calls: int = 240, rounds: int = 5) -> tuple[float, float]:
-    """Eager (no graph) seconds per call of ``call(i)`` over ``calls`` back-to-back calls, and the host's share:
-    seconds per call to issue them (the loop before the final synchronize). Medians over ``rounds``.
+def eager_time_per_call(
+    call: Callable[[int], object], calls: int = 240, rounds: int = 5, burst: int = 8
+) -> tuple[float, float]:
+    """Eager (no graph) seconds per call of ``call(i)`` over ``calls`` back-to-back calls, and the host's cost:
+    seconds to issue one call, timed over bursts of ``burst`` calls that start with an idle GPU, so no launch waits
+    for room in the device's launch queue. Medians over ``rounds``.
 
-    Where the host time per call exceeds the GPU time per call, the GPU waits for the host, as in an engine's eager
+    Where the host cost per call exceeds the GPU time per call, the GPU waits for the host, as in an engine's eager
     mode (enforce-eager, batches above the largest captured graph, warm-ups).
     """
     require_cuda()
@@ -97,9 +100,12 @@ def eager_time_per_call(call: Callable[[int], object], calls: int = 240, rounds:
         start = time.perf_counter()
         for i in range(calls):
             call(i)
-        issued = time.perf_counter()
         torch.cuda.synchronize()
-        end = time.perf_counter()
-        walls.append((end - start) / calls)
-        hosts.append((issued - start) / calls)
+        walls.append((time.perf_counter() - start) / calls)
+        for first in range(0, calls, burst):
+            start = time.perf_counter()
+            for i in range(first, first + burst):
+                call(i)
+            hosts.append((time.perf_counter() - start) / burst)
+            torch.cuda.synchronize()
     return statistics.median(walls), statistics.median(hosts)
