@@ -301,7 +301,7 @@ def save(
 
 def load_file(path: Path, key: dict[str, Any] | None = None) -> tuple[Plan, TacticTable] | None:
     """Read a plan file; ``None`` (with one warning naming the file and the problem) if it is unreadable, outside
-    the schema or made for another key; ``None`` silently if it does not exist."""
+    the schema or made for another key; ``None`` without a warning if it does not exist."""
     try:
         found, plan, tactics = read_file(path)
     except FileNotFoundError:

@@ -102,7 +102,7 @@ def parity_input(m: int, hidden: int) -> torch.Tensor:
 
 
 def artifacts_dir() -> Path:
-    """Where each engine session writes its outputs for the final comparison (ignored by git)."""
+    """Where each engine's nox session writes its outputs for the final comparison (ignored by git)."""
     return Path(__file__).resolve().parents[2] / ".parity-artifacts"
 
 
