@@ -32,8 +32,7 @@ from kda_backend.kernels.skinny_gemm import (
     output_tiles,
     tactic_bucket,
 )
-from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step
-from kda_backend.plan_store import TacticTable
+from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step, TacticTable
 from kda_backend.plugins import hooks
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.base import ROLES
@@ -118,7 +117,6 @@ def tune_tactics(
             best = most_robust(times)
             table[(role, n, k, bucket)] = best
             progress(f"tactic {role} t{bucket}: {best.key()} ({_label_times(ms, times[best])} alone)")
-    install_tactics(table)
     budget, (q_n, q_k, q_xs), (f_n, f_k, f_xs) = SmBudget.of(weights[0].device), shapes["qkvg"], shapes["fab"]
     for bucket in buckets:
         top = BUCKET_MS[bucket][-1]
@@ -130,7 +128,7 @@ def tune_tactics(
             spare = spare_slot_tactics(f_n, f_k, top, f_xs, qkvg, output_tiles(qkvg, q_n, top) * qkvg.split_k, budget)
             partners = [table[fab_key]] + [t for t in [spare_slot_partner(spare)] if t not in (None, table[fab_key])]
             pairs += [{qkvg_key: qkvg, fab_key: fab} for fab in partners]
-        table.update(_best_in_stage(weights, bucket, pairs, progress))
+        table.update(_best_in_stage(weights, bucket, table, pairs, progress))
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
         for bucket in buckets:
@@ -140,7 +138,7 @@ def tune_tactics(
             main_ctas = output_tiles(main, q_n, top) * main.split_k
             cands += [c for c in spare_slot_tactics(n, k, top, xs, main, main_ctas, budget) if c not in cands]
             key = (role, n, k, bucket)
-            table.update(_best_in_stage(weights, bucket, [{key: c} for c in cands], progress))
+            table.update(_best_in_stage(weights, bucket, table, [{key: c} for c in cands], progress))
     return table
 
 
@@ -153,10 +151,11 @@ def spare_slot_partner(spare: list[Tactic]) -> Tactic | None:
 
 
 def _best_in_stage(
-    weights: list[ProjectionWeights], bucket: int, candidates: list[TacticTable], progress: Callable[[str], None]
+    weights: list[ProjectionWeights], bucket: int, table: TacticTable, candidates: list[TacticTable],
+    progress: Callable[[str], None],
 ) -> TacticTable:
     """The candidate (tactics for one or more GEMMs) that makes the overlapped all-CuTe stage fastest over the
-    bucket's M (the other GEMMs keep the tactics installed now); installs and returns it. Every candidate is timed
+    bucket's M (the other GEMMs keep their tactics in ``table``); returns it. Every candidate is timed
     once at each M; the ``FINALISTS`` most robust are timed ``RETIMING_ROUNDS`` more times, in turn, and judged by
     their medians: one stage timing varies by up to 0.5 us on some H200s, more than the gaps between the best
     candidates."""
@@ -164,8 +163,7 @@ def _best_in_stage(
     frozen = [tuple(c.items()) for c in candidates]  # hashable, in the caller's order
 
     def timed(candidate: tuple) -> list[float]:
-        install_tactics(dict(candidate))
-        return [time_step(weights, OVERLAP_CUTE, m) for m in ms]
+        return [time_step(weights, OVERLAP_CUTE, m, {**table, **dict(candidate)}) for m in ms]
 
     rounds = {candidate: [timed(candidate)] for candidate in frozen}
     slowdown = worst_slowdowns({candidate: times[0] for candidate, times in rounds.items()})
@@ -176,7 +174,6 @@ def _best_in_stage(
                 rounds[candidate].append(timed(candidate))
     medians = {c: [statistics.median(column) for column in zip(*rounds[c])] for c in finalists}
     best = most_robust(medians)
-    install_tactics(dict(best))
     others = "; ".join(f"{_candidate_label(c)} {_label_times(ms, medians[c])}" for c in finalists if c != best)
     progress(f"t{bucket} stage: {_candidate_label(best)} ({_label_times(ms, medians[best])} overlapped stage"
              f"{', over ' + others if others else ''})")
@@ -260,10 +257,10 @@ def step_candidates(m: int, usable: dict[str, tuple[str, ...]]) -> list[Step]:
     ]
 
 
-def time_step(weights: list[ProjectionWeights], step: Step, m: int) -> float:
-    """Seconds per layer of the whole projection stage with ``step`` at ``m`` tokens."""
+def time_step(weights: list[ProjectionWeights], step: Step, m: int, tactics: TacticTable) -> float:
+    """Seconds per layer of the whole projection stage with ``step`` and CuTe ``tactics`` at ``m`` tokens."""
     device = weights[0].device
-    plan = Plan(steps={m: step}, source="candidate")
+    plan = Plan(steps={m: step}, source="candidate", tactics=tactics)
     projs = [KDAProjection(w, plan) for w in weights]
     for p in projs:
         p.prepare([m])
@@ -276,22 +273,25 @@ def tune_plan(
     weights: list[ProjectionWeights],
     ms: Iterable[int] = DEFAULT_MS,
     progress: Callable[[str], None] = lambda _: None,
+    tactics: TacticTable | None = None,
 ) -> tuple[Plan, dict[int, dict[str, float]]]:
-    """Per M, the fastest step; also returns every candidate's time (seconds per layer) for reports."""
+    """Per M, the fastest step with CuTe ``tactics`` (which the plan keeps); also returns every candidate's time
+    (seconds per layer) for reports."""
+    tactics = tactics or {}
     steps: dict[int, Step] = {}
     timings: dict[int, dict[str, float]] = {}
     for m in ms:
         results = []
         for step in step_candidates(m, usable_providers(weights[0], m)):
             try:
-                results.append((time_step(weights, step, m), step))
+                results.append((time_step(weights, step, m, tactics), step))
             except Exception as exc:  # a candidate that cannot run is not a plan; report it and go on
                 progress(f"M={m} {step} failed: {type(exc).__name__}: {exc}")
         best_time, best = min(results, key=lambda r: r[0])
         steps[m] = best
         timings[m] = {_step_label(s): t for t, s in results}
         progress(f"M={m}: {_step_label(best)} {best_time * 1e6:.2f} us")
-    return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH), timings
+    return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH, tactics=tactics), timings
 
 
 MODE_LABELS = {"overlap": "ovl", "sequential": "seq"}
@@ -306,19 +306,13 @@ def autotune(
     device: torch.device,
     ms: Iterable[int] = DEFAULT_MS,
     progress: Callable[[str], None] = lambda _: None,
-) -> tuple[Plan, TacticTable]:
-    """Tune tactics then the plan for ``geometry`` on ``device``; installs the tactics in the CuTe provider."""
+) -> Plan:
+    """Tune tactics then the plan (which keeps them) for ``geometry`` on ``device``."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("autotune cannot run inside a CUDA-graph capture")
     ms = sorted(set(ms))
     weights = make_weight_copies(geometry, device)
     buckets = sorted({tactic_bucket(m) for m in ms if m <= CUTE_MAX_M})
     tactics = tune_tactics(geometry, weights, buckets, progress=progress)
-    install_tactics(tactics)
-    plan, _ = tune_plan(weights, ms, progress=progress)
-    return plan, tactics
-
-
-def install_tactics(tactics: TacticTable) -> None:
-    """Make the CuTe provider use ``tactics`` (merged with those already installed)."""
-    dispatch.provider_by_name("cute").add_tactics(tactics)
+    plan, _ = tune_plan(weights, ms, progress=progress, tactics=tactics)
+    return plan

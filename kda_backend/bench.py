@@ -69,8 +69,8 @@ def _eager_times(weights, plan: Plan, m: int) -> tuple[float, float]:
     return eager_time_per_call(lambda i: projs[i % len(projs)](xs[i % len(xs)]))
 
 
-def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, Tactic | None, int | None]:
-    """Seconds per call of one role's GEMM alone, and the CuTe kernel's tactic and CTA count."""
+def _gemm_time(weights, role: str, m: int, provider: str, plan: Plan) -> tuple[float, Tactic | None, int | None]:
+    """Seconds per call of one role's GEMM alone, and the CuTe kernel's tactic (``plan``'s) and CTA count."""
     from kda_backend import dispatch
 
     g = weights[0].geometry
@@ -83,7 +83,7 @@ def _gemm_time(weights, role: str, m: int, provider: str) -> tuple[float, Tactic
     tactic, ctas = None, None
     if provider == "cute":
         cute = dispatch.provider_by_name("cute")
-        proj = KDAProjection(weights[0])
+        proj = KDAProjection(weights[0], plan)
         tactic = cute.tactic(proj.gemm_call(role, m))
         ctas = output_tiles(tactic, n, m) * tactic.split_k
 
@@ -148,7 +148,8 @@ def run_bench(
         for _ in range(STAGE_ROUNDS):
             for name in samples:
                 step, ws = variants[name]
-                variant = plan if name == "ours" else Plan(fallback=step, source=name)
+                # Every variant runs the plan's CuTe tactics: variants differ only in their steps.
+                variant = plan if name == "ours" else Plan(fallback=step, source=name, tactics=plan.tactics)
                 samples[name].append(_stage_time(ws, variant, m) * 1e6)
         for name, (step, ws) in variants.items():
             row[name] = statistics.median(samples[same[(step, ws is split and step == SEQUENTIAL_TORCH)]])
@@ -159,9 +160,9 @@ def run_bench(
                 wall, host = _eager_times(weights, variant, m)
                 row[f"eager_{name}"], row[f"host_{name}"] = wall * 1e6, host * 1e6
         if m in KERNEL_MS:
-            row["qkvg_cublas"] = _gemm_time(weights, "qkvg", m, "torch")[0] * 1e6
+            row["qkvg_cublas"] = _gemm_time(weights, "qkvg", m, "torch", plan)[0] * 1e6
             for role in ("qkvg", "fab", "fb"):
-                t, tactic, ctas = _gemm_time(weights, role, m, "cute")
+                t, tactic, ctas = _gemm_time(weights, role, m, "cute", plan)
                 row[f"{role}_cute"], row[f"{role}_tactic"], row[f"{role}_ctas"] = t * 1e6, tactic.key(), ctas
         rows.append(row)
         tick()

@@ -91,9 +91,8 @@ def _autotune(args: argparse.Namespace) -> int:
     plan_store.check_writable()  # before minutes of tuning whose result could not be stored
     device = torch.device("cuda", torch.cuda.current_device())
     ms = args.ms or engine_batch_sizes(args.engine, args.max_m)
-    plan, tactics = autotune.autotune(geometry, device, ms, progress=print)
-    plan, tactics = planning.share(plan, tactics)
-    path = plan_store.save(plan_store.device_key(geometry, device, torch.bfloat16), plan, tactics)
+    plan = planning.share(autotune.autotune(geometry, device, ms, progress=print))
+    path = plan_store.save(plan_store.device_key(geometry, device, torch.bfloat16), plan)
     print(plan.describe())
     print(f"plan stored in {path}")
     return 0

@@ -10,6 +10,10 @@ Plans arrive from files, from the environment and from other ranks (``kda_share_
 and :meth:`Step.from_json` read a typed schema: an unknown field, a value of the wrong JSON type (``"false"`` for a
 bool, ``5`` for a provider name), an M that is not a positive integer, or (given the registered names) a provider
 that is not registered raises :class:`PlanError` naming the field, the value and what is accepted.
+
+A plan carries the CuTe tactics it was tuned with (:data:`TacticTable`); the projection hands each GEMM call its
+tactic (:meth:`Plan.tactic_for`), so two plans in one process never share tuning state. In JSON the tactics are a
+list beside the plan object (:meth:`Plan.to_document`).
 """
 
 from __future__ import annotations
@@ -20,12 +24,19 @@ import re
 from collections.abc import Collection
 from typing import Any
 
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, tactic_bucket, validate_tactic
 from kda_backend.providers.base import ROLES
 
 AUTO = "auto"
 STEP_FIELDS = ("overlap", *ROLES)
 PLAN_FIELDS = ("source", "fallback", "steps")
 _M_KEY = re.compile(r"[1-9][0-9]*")
+TACTIC_ROW_FIELDS = ("role", "n", "k", "bucket", "block_t", "tactic")
+# Field -> JSON type of a tactic, from the dataclass defaults (every field is an int or a bool).
+TACTIC_FIELDS = {f.name: type(f.default) for f in dataclasses.fields(Tactic)}
+BUCKETS = tuple(sorted({tactic_bucket(m) for m in range(1, 65)}))
+# (role, n, k, bucket) -> tactic; ``bucket`` is :func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`.
+TacticTable = dict[tuple[str, int, int, int], Tactic]
 
 
 class PlanError(ValueError):
@@ -47,6 +58,62 @@ def require_object(where: str, data: Any, fields: Collection[str]) -> dict[str, 
     if unknown:
         raise PlanError(f"{where}: unknown fields {unknown}; accepted: {', '.join(fields)}")
     return data
+
+
+def tactics_to_json(tactics: TacticTable) -> list[dict[str, Any]]:
+    return [
+        {"role": r, "n": n, "k": k, "bucket": bucket, "tactic": dataclasses.asdict(t)}
+        for (r, n, k, bucket), t in sorted(tactics.items())
+    ]
+
+
+def _positive_int(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{where}: {value!r} is {json_type(value)}; accepted: a positive integer")
+    return value
+
+
+def tactic_from_json(data: Any, n: int, k: int, where: str = "tactic") -> Tactic:
+    """A tactic from its JSON object: integer and bool fields of :class:`Tactic` (missing ones take their
+    defaults), which :func:`~kda_backend.kernels.skinny_gemm.validate_tactic` accepts for an ``[n, k]`` weight.
+
+    :raises PlanError: an unknown or ill-typed field, or a tactic the kernel cannot run.
+    """
+    data = require_object(where, data, TACTIC_FIELDS)
+    for field, value in data.items():
+        kind = TACTIC_FIELDS[field]
+        if type(value) is not kind:
+            accepted = "true or false" if kind is bool else "an integer"
+            raise PlanError(f"{where}.{field}: {value!r} is {json_type(value)}; accepted: {accepted}")
+    tactic = Tactic(**data)
+    reason = validate_tactic(tactic, n, k, k)
+    if reason is not None:
+        raise PlanError(f"{where}: {reason}")
+    return tactic
+
+
+def tactics_from_json(rows: Any, where: str = "tactics") -> TacticTable:
+    """The tactic table from :func:`tactics_to_json`'s rows (files written before the single-token bucket existed
+    call ``bucket`` ``block_t``, with the same values).
+
+    :raises PlanError: a row that is not an object of the fields below, or an invalid tactic.
+    """
+    if not isinstance(rows, list):
+        raise PlanError(f"{where}: {json_type(rows)}; accepted: a list of objects")
+    table: TacticTable = {}
+    for i, row in enumerate(rows):
+        at = f"{where}[{i}]"
+        row = require_object(at, row, TACTIC_ROW_FIELDS)
+        role = row.get("role")
+        if role not in ROLES:
+            raise PlanError(f"{at}.role: {role!r}; accepted: {', '.join(ROLES)}")
+        n, k = _positive_int(f"{at}.n", row.get("n")), _positive_int(f"{at}.k", row.get("k"))
+        bucket_field = "bucket" if "bucket" in row else "block_t"
+        bucket = row.get(bucket_field)
+        if isinstance(bucket, bool) or bucket not in BUCKETS:
+            raise PlanError(f"{at}.{bucket_field}: {bucket!r}; accepted: {', '.join(map(str, BUCKETS))}")
+        table[(role, n, k, bucket)] = tactic_from_json(row.get("tactic"), n, k, f"{at}.tactic")
+    return table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +172,13 @@ SEQUENTIAL_TORCH = Step(overlap=False, qkvg="torch", fab="torch", fb="torch")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """``steps[m]`` for the M values the plan was made for; :meth:`step` answers for any M."""
+    """``steps[m]`` for the M values the plan was made for; :meth:`step` answers for any M. ``tactics``: the CuTe
+    tactics tuned with it (empty: the kernel's defaults)."""
 
     steps: dict[int, Step] = dataclasses.field(default_factory=dict)
     source: str = "default"
     fallback: Step = DEFAULT_STEP
+    tactics: TacticTable = dataclasses.field(default_factory=dict)
 
     def step(self, m: int) -> Step:
         """The step for ``m`` tokens: tuned, else the next larger tuned M's, else the fallback."""
@@ -128,7 +197,30 @@ class Plan:
     def max_m(self) -> int:
         return max(self.steps, default=0)
 
+    def tactic_for(self, role: str, n: int, k: int, m: int) -> Tactic | None:
+        """The tuned tactic of ``role``'s ``[n, k]`` GEMM at ``m`` tokens: its bucket's, else (no single-token
+        tactic tuned) that of the token tile ``m`` runs with; ``None``: the kernel's default."""
+        for bucket in dict.fromkeys((tactic_bucket(m), block_t_for(m))):
+            tuned = self.tactics.get((role, n, k, bucket))
+            if tuned is not None:
+                return tuned
+        return None
+
+    def to_document(self) -> dict[str, Any]:
+        """``{"plan": to_json(), "tactics": rows}``: what plan files and ranks carry (see :meth:`from_document`)."""
+        return {"plan": self.to_json(), "tactics": tactics_to_json(self.tactics)}
+
+    @classmethod
+    def from_document(cls, data: dict[str, Any], providers: Collection[str] | None = None) -> Plan:
+        """A plan from :meth:`to_document`'s fields (missing tactics: none).
+
+        :raises PlanError: either field outside the schema.
+        """
+        plan = cls.from_json(data.get("plan"), providers)
+        return dataclasses.replace(plan, tactics=tactics_from_json(data.get("tactics", [])))
+
     def to_json(self) -> dict[str, Any]:
+        """The steps (the tactics travel beside them, see :meth:`to_document`)."""
         return {
             "source": self.source,
             "fallback": self.fallback.to_json(),

@@ -12,14 +12,12 @@ File content (every field typed and checked on reading, see :func:`parse`)::
 
     {"format": 1, "key": {...}, "plan": Plan.to_json(), "tactics": [{"role", "n", "k", "bucket", "tactic"}]}
 
-``bucket`` is :func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`; files written before the single-token bucket
-existed call it ``block_t`` (the same values) and still load.
+(``"plan"`` and ``"tactics"`` are :meth:`~kda_backend.plan.Plan.to_document`.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import importlib.metadata as md
@@ -35,23 +33,16 @@ import torch
 
 import kda_backend
 from kda_backend.geometry import KDAGeometry
-from kda_backend.kernels.skinny_gemm import Tactic, tactic_bucket, validate_tactic
 from kda_backend.log import warn_once
 from kda_backend.plan import Plan, PlanError, json_type, require_object
 from kda_backend.plugins import folder_problem, hooks
-from kda_backend.providers.base import ROLES
 
 FORMAT = 1
 FILE_FIELDS = ("format", "key", "plan", "tactics")
-TACTIC_ROW_FIELDS = ("role", "n", "k", "bucket", "block_t", "tactic")
-# Field -> JSON type of a tactic, from the dataclass defaults (every field is an int or a bool).
-TACTIC_FIELDS = {f.name: type(f.default) for f in dataclasses.fields(Tactic)}
-BUCKETS = tuple(sorted({tactic_bucket(m) for m in range(1, 65)}))
 # A writer holds the lock for one small JSON write (milliseconds); one held this long belongs to a stalled process.
 LOCK_TIMEOUT_S = 30.0
 # Temp files older than this belong to a writer that died mid-save (a live one replaces its file in milliseconds).
 STALE_TMP_S = 60.0
-TacticTable = dict[tuple[str, int, int, int], Tactic]
 
 
 def _dist_version(name: str) -> str | None:
@@ -136,68 +127,13 @@ def _remove_stale_temps(folder: Path) -> None:
                 tmp.unlink()
 
 
-def tactics_to_json(tactics: TacticTable) -> list[dict[str, Any]]:
-    return [
-        {"role": r, "n": n, "k": k, "bucket": bucket, "tactic": dataclasses.asdict(t)}
-        for (r, n, k, bucket), t in sorted(tactics.items())
-    ]
-
-
-def _positive_int(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanError(f"{where}: {value!r} is {json_type(value)}; accepted: a positive integer")
-    return value
-
-
-def tactic_from_json(data: Any, n: int, k: int, where: str = "tactic") -> Tactic:
-    """A tactic from its JSON object: integer and bool fields of :class:`Tactic` (missing ones take their
-    defaults), which :func:`~kda_backend.kernels.skinny_gemm.validate_tactic` accepts for an ``[n, k]`` weight.
-
-    :raises PlanError: an unknown or ill-typed field, or a tactic the kernel cannot run.
-    """
-    data = require_object(where, data, TACTIC_FIELDS)
-    for field, value in data.items():
-        kind = TACTIC_FIELDS[field]
-        if type(value) is not kind:
-            accepted = "true or false" if kind is bool else "an integer"
-            raise PlanError(f"{where}.{field}: {value!r} is {json_type(value)}; accepted: {accepted}")
-    tactic = Tactic(**data)
-    reason = validate_tactic(tactic, n, k, k)
-    if reason is not None:
-        raise PlanError(f"{where}: {reason}")
-    return tactic
-
-
-def tactics_from_json(rows: Any, where: str = "tactics") -> TacticTable:
-    """The tactic table from :func:`tactics_to_json`'s rows.
-
-    :raises PlanError: a row that is not an object of the fields below, or an invalid tactic.
-    """
-    if not isinstance(rows, list):
-        raise PlanError(f"{where}: {json_type(rows)}; accepted: a list of objects")
-    table: TacticTable = {}
-    for i, row in enumerate(rows):
-        at = f"{where}[{i}]"
-        row = require_object(at, row, TACTIC_ROW_FIELDS)
-        role = row.get("role")
-        if role not in ROLES:
-            raise PlanError(f"{at}.role: {role!r}; accepted: {', '.join(ROLES)}")
-        n, k = _positive_int(f"{at}.n", row.get("n")), _positive_int(f"{at}.k", row.get("k"))
-        bucket_field = "bucket" if "bucket" in row else "block_t"
-        bucket = row.get(bucket_field)
-        if isinstance(bucket, bool) or bucket not in BUCKETS:
-            raise PlanError(f"{at}.{bucket_field}: {bucket!r}; accepted: {', '.join(map(str, BUCKETS))}")
-        table[(role, n, k, bucket)] = tactic_from_json(row.get("tactic"), n, k, f"{at}.tactic")
-    return table
-
-
 def provider_names() -> set[str]:
     """Names of the registered GEMM providers (what a plan may name)."""
     return {p.name for p in hooks.gemm_providers()}
 
 
-def parse(data: Any) -> tuple[dict[str, Any], Plan, TacticTable]:
-    """A plan file's content as (key, plan, tactics).
+def parse(data: Any) -> tuple[dict[str, Any], Plan]:
+    """A plan file's content as (key, plan).
 
     :raises PlanError: any field outside the schema (see the module docstring), a provider that is not registered.
     """
@@ -207,11 +143,10 @@ def parse(data: Any) -> tuple[dict[str, Any], Plan, TacticTable]:
     key = data.get("key")
     if not isinstance(key, dict):
         raise PlanError(f"key: {json_type(key)}; accepted: an object (what the plan was tuned for)")
-    plan = Plan.from_json(data.get("plan"), provider_names())
-    return key, plan, tactics_from_json(data.get("tactics", []))
+    return key, Plan.from_document(data, provider_names())
 
 
-def shared_from_json(data: Any) -> tuple[Plan, TacticTable]:
+def shared_from_json(data: Any) -> Plan:
     """A plan as :func:`~kda_backend.planning.share` passes it between ranks: ``{"plan": ..., "tactics": ...}``.
 
     :raises PlanError: a missing, unknown or ill-typed field.
@@ -219,11 +154,11 @@ def shared_from_json(data: Any) -> tuple[Plan, TacticTable]:
     data = require_object("shared plan", data, ("plan", "tactics"))
     if set(data) != {"plan", "tactics"}:
         raise PlanError(f"shared plan: fields {sorted(data)}; accepted: plan and tactics")
-    return Plan.from_json(data["plan"], provider_names()), tactics_from_json(data["tactics"])
+    return Plan.from_document(data, provider_names())
 
 
-def read_file(path: Path) -> tuple[dict[str, Any], Plan, TacticTable]:
-    """A plan file as (key, plan, tactics), without taking the lock or writing anything: writers replace the file
+def read_file(path: Path) -> tuple[dict[str, Any], Plan]:
+    """A plan file as (key, plan), without taking the lock or writing anything: writers replace the file
     atomically, so a reader sees a whole old or a whole new file.
 
     :raises OSError: the file cannot be read (``FileNotFoundError`` when it does not exist).
@@ -267,10 +202,9 @@ def check_writable(folder: Path | None = None) -> Path:
 
 
 def save(
-    key: dict[str, Any], plan: Plan, tactics: TacticTable, folder: Path | None = None,
-    lock_timeout: float = LOCK_TIMEOUT_S,
+    key: dict[str, Any], plan: Plan, folder: Path | None = None, lock_timeout: float = LOCK_TIMEOUT_S
 ) -> Path:
-    """Write the plan for ``key`` atomically; returns the file path.
+    """Write the plan (with its tactics) for ``key`` atomically; returns the file path.
 
     :raises ValueError: the folder is a file, a dangling symbolic link or a link loop.
     :raises OSError: the folder cannot be written; ``TimeoutError`` when another writer holds the lock longer
@@ -280,7 +214,7 @@ def save(
     problem = folder_problem(path.parent)
     if problem is not None:
         raise ValueError(f"cannot store plans in {path.parent}: {problem}")
-    data = {"format": FORMAT, "key": key, "plan": plan.to_json(), "tactics": tactics_to_json(tactics)}
+    data = {"format": FORMAT, "key": key, **plan.to_document()}
     with _locked(path, lock_timeout):
         _remove_stale_temps(path.parent)
         try:
@@ -299,11 +233,11 @@ def save(
     return path
 
 
-def load_file(path: Path, key: dict[str, Any] | None = None) -> tuple[Plan, TacticTable] | None:
+def load_file(path: Path, key: dict[str, Any] | None = None) -> Plan | None:
     """Read a plan file; ``None`` (with one warning naming the file and the problem) if it is unreadable, outside
     the schema or made for another key; ``None`` without a warning if it does not exist."""
     try:
-        found, plan, tactics = read_file(path)
+        found, plan = read_file(path)
     except FileNotFoundError:
         return None
     except (OSError, PlanError) as exc:
@@ -316,9 +250,9 @@ def load_file(path: Path, key: dict[str, Any] | None = None) -> tuple[Plan, Tact
         warn_once(f"plan-mismatch-{path}", f"ignoring plan {path}: made for another {', '.join(fields)} "
                   f"({'; '.join(differences)})")
         return None
-    return plan, tactics
+    return plan
 
 
-def load(key: dict[str, Any], folder: Path | None = None) -> tuple[Plan, TacticTable] | None:
+def load(key: dict[str, Any], folder: Path | None = None) -> Plan | None:
     """The stored plan for ``key`` or ``None``."""
     return load_file(plan_path(key, folder), key)

@@ -18,7 +18,6 @@ from kda_backend.batch_sizes import MAX_TUNED_M, spans
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import get_logger, warn_once
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, PlanError, Step
-from kda_backend.plan_store import TacticTable
 from kda_backend.plugins import hooks
 
 FORCED_MAX_M = 256
@@ -31,7 +30,7 @@ VERSION_FIELDS = ("kda_backend", "torch", "cutlass_dsl")
 _resolved: dict[tuple, Plan] = {}
 
 
-def forced_plan(key: dict[str, Any] | None = None) -> tuple[Plan, TacticTable] | None:
+def forced_plan(key: dict[str, Any] | None = None) -> Plan | None:
     """The plan ``KDA_BACKEND_PLAN`` names, if any.
 
     :param key: what a plan file must have been made for (:func:`expected_key`); ``None`` checks no key.
@@ -43,12 +42,12 @@ def forced_plan(key: dict[str, Any] | None = None) -> tuple[Plan, TacticTable] |
     if not value:
         return None
     if value == "sequential":
-        return Plan.uniform(FORCED_MAX_M, Step(overlap=False), source="env:sequential"), {}
+        return Plan.uniform(FORCED_MAX_M, Step(overlap=False), source="env:sequential")
     if value == "overlap":
-        return Plan.uniform(FORCED_MAX_M, Step(overlap=True), source="env:overlap"), {}
+        return Plan.uniform(FORCED_MAX_M, Step(overlap=True), source="env:overlap")
     accepted = "accepted: 'sequential', 'overlap' or the path of a plan file written by `kda-backend autotune`"
     try:
-        found, plan, tactics = plan_store.read_file(Path(value))
+        found, plan = plan_store.read_file(Path(value))
     except FileNotFoundError:
         raise ValueError(f"KDA_BACKEND_PLAN={value!r}: no such file; {accepted}") from None
     except OSError as exc:
@@ -64,7 +63,7 @@ def forced_plan(key: dict[str, Any] | None = None) -> tuple[Plan, TacticTable] |
         if differences:
             warn_once(f"forced-versions-{value}", f"KDA_BACKEND_PLAN={value!r} was tuned with other versions "
                       f"({'; '.join(differences)}); serving it (`kda-backend autotune` re-tunes it)")
-    return plan, tactics
+    return plan
 
 
 def expected_key(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -78,7 +77,7 @@ def expected_key(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype
 def resolve_plan(
     geometry: KDAGeometry, device: torch.device, dtype: torch.dtype = torch.bfloat16, batch_sizes: Iterable[int] = ()
 ) -> Plan:
-    """The plan for one rank's projection on ``device`` (installs tuned CuTe tactics as a side effect); resolved
+    """The plan (with its CuTe tactics) for one rank's projection on ``device``; resolved
     once per process for each geometry, device, dtype, batch sizes, forced plan, autotune switch and cache folder.
 
     :param batch_sizes: the token counts the host engine runs (its CUDA-graph batch sizes). With
@@ -94,7 +93,7 @@ def resolve_plan(
 
 
 def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]) -> Plan:
-    from kda_backend.autotune import DEFAULT_MS, autotune, install_tactics
+    from kda_backend.autotune import DEFAULT_MS, autotune
 
     found = forced_plan(expected_key(geometry, device, dtype))
     if found is None and device.type != "cuda":
@@ -102,13 +101,13 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
     if found is None:
         key = plan_store.device_key(geometry, device, dtype)
         found = plan_store.load(key)
-        missing = _untuned(found[0], sizes) if found is not None else sizes
+        missing = _untuned(found, sizes) if found is not None else sizes
         if (found is None or missing) and env.flag("KDA_BACKEND_AUTOTUNE"):
-            ms = sorted({*(found[0].steps if found else ()), *(m for m in sizes if m <= MAX_TUNED_M)}) or DEFAULT_MS
+            ms = sorted({*(found.steps if found else ()), *(m for m in sizes if m <= MAX_TUNED_M)}) or DEFAULT_MS
             get_logger().info("tuning the plan for %s tp%d at M = %s", key["device"], geometry.tp_size, spans(ms))
             found = autotune(geometry, device, ms)
             try:
-                get_logger().info("plan stored in %s", plan_store.save(key, *found))
+                get_logger().info("plan stored in %s", plan_store.save(key, found))
             except OSError as exc:  # a read-only cache folder: the tuned plan still serves this process
                 warn_once(f"unstored-{key['device']}", f"{exc}; serving the tuned plan without storing it")
     if found is None:
@@ -117,9 +116,8 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
             f"no tuned plan for {torch.cuda.get_device_name(device)} tp{geometry.tp_size}: running sequential "
             "cuBLAS; run `kda-backend autotune` (or set KDA_BACKEND_AUTOTUNE=1) for the fast path",
         )
-        found = Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH), {}
-    plan, tactics = share(*found)
-    install_tactics(tactics)
+        found = Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH)
+    plan = share(found)
     _report_coverage(plan, sizes)
     return plan
 
@@ -142,8 +140,7 @@ def _report_coverage(plan: Plan, sizes: tuple[int, ...]) -> None:
                   f"tuned M ({plan.max_m}): they run its fallback ({plan.fallback.mode}, qkvg={plan.fallback.qkvg})")
 
 
-def share(plan: Plan, tactics: TacticTable) -> tuple[Plan, TacticTable]:
-    """Pass a plan and its tactics through ``kda_share_plan`` (rank 0's answer wins on every rank; a plugin that
+def share(plan: Plan) -> Plan:
+    """Pass a plan with its tactics through ``kda_share_plan`` (rank 0's answer wins on every rank; a plugin that
     answers something else than a plan is dropped, see :class:`~kda_backend.plugins.Hooks`)."""
-    data = {"plan": plan.to_json(), "tactics": plan_store.tactics_to_json(tactics)}
-    return hooks.share_plan(data, parse=plan_store.shared_from_json)
+    return hooks.share_plan(plan.to_document(), parse=plan_store.shared_from_json)

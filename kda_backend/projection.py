@@ -70,16 +70,18 @@ class KDAProjection:
         g, w = self.geometry, self.weights
         weight = {"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}[role]
         device = w.device
+        n, k = weight.shape
         return GemmCall(
             role=role,
             m=m,
-            n=weight.shape[0],
-            k=weight.shape[1],
+            n=n,
+            k=k,
             dtype=w.dtype,
             device_type=device.type,
             capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
             x_row_stride=g.fab_rows if role == "fb" else g.hidden_size,
             w_row_stride=weight.stride(0),
+            tuned=self.plan.tactic_for(role, n, k, m),
         )
 
     def provider(self, role: str, m: int) -> GemmProvider:
@@ -187,7 +189,8 @@ class KDAProjection:
             gemms = {role: self._gemm(role, m, self.gemm_call(role, m)) for role in ROLES}
             if step.overlap:
                 stage: SequentialStage = OverlappedStage(
-                    **gemms, trailing=self._trailing_provider(m, gemms), aux_stream=self.aux_stream
+                    **gemms, trailing=self._trailing_provider(m, gemms), aux_stream=self.aux_stream,
+                    tuned={role: self.gemm_call(role, m).tuned for role in ("fab", "fb")},
                 )
             else:
                 stage = SequentialStage(**gemms)

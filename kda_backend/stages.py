@@ -17,6 +17,7 @@ drop that provider and rebuild the stage.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 
 import torch
 
@@ -95,10 +96,13 @@ class OverlappedStage(SequentialStage):
     :param trailing: the provider serving all three GEMMs when it can trail the side chain behind its own QKVG
         launch on one stream, else ``None``.
     :param aux_stream: the fork's stream (``None``: ask the host on the first fork).
+    :param tuned: the side chain's tuned configurations by role, which the trailing provider runs with
+        (:attr:`~kda_backend.providers.base.GemmCall.tuned`).
     """
 
     trailing: GemmProvider | None = None
     aux_stream: torch.cuda.Stream | None = None
+    tuned: dict[str, Hashable | None] = dataclasses.field(default_factory=dict)
     scheduler: OverlapScheduler = dataclasses.field(default_factory=OverlapScheduler)
     mode = "overlap"
 
@@ -117,7 +121,7 @@ class OverlappedStage(SequentialStage):
         self.qkvg(x, w.w_qkvg, qkvg)
         if self.trailing is not None and g1 is not None:
             try:
-                self.trailing.run_trailing(x, {"fab": w.w_fab, "fb": w.w_fb}, fab, g1)
+                self.trailing.run_trailing(x, {"fab": w.w_fab, "fb": w.w_fb}, fab, g1, self.tuned)
             except Exception as exc:
                 raise LaunchFailed(self.trailing, "trailing side chain") from exc
             return

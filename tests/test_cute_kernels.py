@@ -24,6 +24,7 @@ from kda_backend.kernels.skinny_gemm import (
     validate_link,
     validate_tactic,
 )
+from kda_backend.plan import Plan
 from kda_backend.providers.base import GemmCall
 from kda_backend.providers.cute_provider import CuteDslProvider
 
@@ -173,16 +174,20 @@ def test_provider_serves_every_role_at_every_tp(tp, row_multiple):
     assert p.why_not_trailing(calls) is None
 
 
-def test_provider_uses_tuned_tactic():
+def test_provider_uses_the_plans_tactic():
     p = CuteDslProvider()
     tuned = Tactic(block_n=32, block_k=128, block_t=16, stages=6)
-    p.add_tactics({("qkvg", 6144, 7168, 16): tuned})
-    assert p.tactic(_call(m=3)) == tuned
-    assert p.tactic(_call(m=1)) == tuned  # no single-token tactic: the 16-token bucket's
-    assert p.tactic(_call(m=20)) == default_tactic(6144, 7168, 20)
+    plan = Plan(tactics={("qkvg", 6144, 7168, 16): tuned})
+
+    def call(m):
+        return _call(m=m, tuned=plan.tactic_for("qkvg", 6144, 7168, m))
+
+    assert p.tactic(call(3)) == tuned
+    assert p.tactic(call(1)) == tuned  # no single-token tactic: the 16-token bucket's
+    assert p.tactic(call(20)) == default_tactic(6144, 7168, 20)
     single = Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True)
-    p.add_tactics({("qkvg", 6144, 7168, 1): single})
-    assert p.tactic(_call(m=1)) == single and p.tactic(_call(m=2)) == tuned
+    plan = Plan(tactics={**plan.tactics, ("qkvg", 6144, 7168, 1): single})
+    assert p.tactic(call(1)) == single and p.tactic(call(2)) == tuned
 
 
 def test_target_arch_needs_device_or_env(monkeypatch):
@@ -538,16 +543,19 @@ def test_validate_link_reasons(link, tactic, match):
 def test_trailing_tactics_are_the_side_chains_with_activations_from_l2():
     """The trailing side chain computes what the forked one does, bit for bit: the same tactics, only the
     activation path differs (which changes where loads come from, not the arithmetic)."""
-    g = preset("kimi-k3", 8)
     p = CuteDslProvider()
     fab_tuned, fb_tuned = Tactic(16, 128, 16, 3, split_k=14), Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True)
-    p.add_tactics({("fab", g.fab_rows, g.hidden_size, 16): fab_tuned, ("fb", g.local_width, g.head_dim, 16): fb_tuned})
-    fab, fb = p.trailing_tactics(_stage_calls())
+
+    def tuned_calls(tuned):
+        return {role: dataclasses.replace(call, tuned=tuned.get(role)) for role, call in _stage_calls().items()}
+
+    calls = tuned_calls({"fab": fab_tuned, "fb": fb_tuned})
+    fab, fb = p.trailing_tactics(calls)
     assert fab == dataclasses.replace(fab_tuned, x_via_l1=False) and fb == dataclasses.replace(fb_tuned, x_tma=False)
-    assert p.why_not_trailing(_stage_calls()) is None
-    p.add_tactics({("fb", g.local_width, g.head_dim, 16): Tactic(16, 64, 16, 2, split_k=2)})  # F_B's K is 128
-    assert "cannot split K" in p.why_not_trailing(_stage_calls())
-    assert p.why_not_trailing(_stage_calls() | {"qkvg": _call(capability=(8, 0))}).startswith("qkvg: compute")
+    assert p.why_not_trailing(calls) is None
+    split_fb = Tactic(16, 64, 16, 2, split_k=2)  # F_B's K is 128
+    assert "cannot split K" in p.why_not_trailing(tuned_calls({"fab": fab_tuned, "fb": split_fb}))
+    assert p.why_not_trailing(calls | {"qkvg": _call(capability=(8, 0))}).startswith("qkvg: compute")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

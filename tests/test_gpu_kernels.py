@@ -11,8 +11,22 @@ from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles, tactic_bucket
+from kda_backend.plan import Plan
 from kda_backend.providers.base import GemmCall
 from kda_backend.providers.cute_provider import CuteDslProvider, launch
+
+
+class TunedProvider(CuteDslProvider):
+    """The CuTe provider whose every call, plain runs too, carries a plan's tactic, as the projection's calls do."""
+
+    def __init__(self, tactics):
+        super().__init__()
+        self.plan = Plan(tactics=tactics)
+
+    def tactic(self, call):
+        tuned = self.plan.tactic_for(call.role, call.n, call.k, call.m)
+        return super().tactic(dataclasses.replace(call, tuned=tuned))
+
 
 pytestmark = pytest.mark.gpu
 
@@ -102,8 +116,7 @@ def test_qkvg_tactics_match_reference(tactic, m):
     (64-token tiles: two rows per lane). A tactic serves any M (token tiles beyond its block_t spread over the
     grid)."""
     g = preset("kimi-k3", 8)
-    provider = CuteDslProvider()
-    provider.add_tactics({("qkvg", g.qkvg_rows, g.hidden_size, block_t_for(m)): tactic})
+    provider = TunedProvider({("qkvg", g.qkvg_rows, g.hidden_size, block_t_for(m)): tactic})
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(g.qkvg_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
     out = torch.full((m, g.qkvg_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -120,8 +133,7 @@ def test_async_proxy_activations_in_the_side_chain(m, path):
     the wider F_A/beta output (a 288-byte row stride)."""
     g = preset("kimi-k3", 8)
     bucket = block_t_for(m)
-    provider = CuteDslProvider()
-    provider.add_tactics({
+    provider = TunedProvider({
         ("fab", g.fab_rows, g.hidden_size, bucket):
             Tactic(16, 128, bucket, 2, x_via_l1=False, split_k=14, **{path: True}),
         ("fb", g.local_width, g.head_dim, bucket): Tactic(16, 128, bucket, 3, x_via_l1=False, **{path: True}),
@@ -144,8 +156,7 @@ def _fab_provider(split_k: int, m: int, stages: int = 3) -> CuteDslProvider:
 
 def _provider_with_fab(tactic: Tactic) -> CuteDslProvider:
     g = preset("kimi-k3", 8)
-    provider = CuteDslProvider()
-    provider.add_tactics({("fab", g.fab_rows, g.hidden_size, tactic.block_t): tactic})
+    provider = TunedProvider({("fab", g.fab_rows, g.hidden_size, tactic.block_t): tactic})
     return provider
 
 
@@ -252,9 +263,8 @@ def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
     g = preset("kimi-k3", 8)
     fab_tactic = dataclasses.replace(fab_tactic, block_t=block_t_for(m))
     fb_tactic = Tactic(16, 128, block_t_for(m), 2, x_via_l1=False)
-    provider = CuteDslProvider()
-    provider.add_tactics({("fab", g.fab_rows, g.hidden_size, tactic_bucket(m)): fab_tactic,
-                          ("fb", g.local_width, g.head_dim, tactic_bucket(m)): fb_tactic})
+    provider = TunedProvider({("fab", g.fab_rows, g.hidden_size, tactic_bucket(m)): fab_tactic,
+                              ("fb", g.local_width, g.head_dim, tactic_bucket(m)): fb_tactic})
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     w_qkvg = torch.randn(g.qkvg_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5
     w_fab = torch.randn(g.fab_rows, g.hidden_size, device="cuda", dtype=torch.bfloat16) * g.hidden_size**-0.5

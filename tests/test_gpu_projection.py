@@ -1,10 +1,12 @@
 """On the GPU: CuTe DSL kernels vs the fp32 reference, determinism, and overlapped CUDA-graph replay."""
 
+import dataclasses
+
 import pytest
 import torch
 from numerics import assert_close, projection_outputs
 
-from kda_backend import KDAProjection, Plan, ProjectionWeights, Step, dispatch
+from kda_backend import KDAProjection, Plan, ProjectionWeights, Step
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.skinny_gemm import Tactic
@@ -82,19 +84,18 @@ TUNED_TP8 = {
 
 
 @pytest.mark.parametrize("m", [1, 2, 16])
-def test_graph_replay_equals_eager_bitwise_with_tuned_tactics(m, monkeypatch):
+def test_graph_replay_equals_eager_bitwise_with_tuned_tactics(m):
     """The same with those tactics: one token from the single-token bucket (activations by bulk copies), two and
     16 from the 16-token bucket."""
     g = preset("kimi-k3", 8)
     assert {(role, n, k) for role, n, k, _ in TUNED_TP8} == {
         ("qkvg", g.qkvg_rows, g.hidden_size), ("fab", g.fab_rows, g.hidden_size), ("fb", g.local_width, g.head_dim)}
-    monkeypatch.setattr(dispatch.provider_by_name("cute"), "_tactics", dict(TUNED_TP8))
-    _check_replay_equals_eager(m, True, Step(overlap=True))
+    _check_replay_equals_eager(m, True, Step(overlap=True), TUNED_TP8)
 
 
-def _check_replay_equals_eager(m, packed, step):
+def _check_replay_equals_eager(m, packed, step, tactics=None):
     weights = _layers(3, packed)
-    plan = Plan.uniform(64, step)
+    plan = dataclasses.replace(Plan.uniform(64, step), tactics=tactics or {})
     projs = [KDAProjection(w, plan) for w in weights]
     for p in projs:
         p.prepare([m])

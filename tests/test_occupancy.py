@@ -74,15 +74,14 @@ SPLIT_DEFAULT = Tactic(16, 128, 16, 3, split_k=14)  # F_A/beta's default: the fa
 def _tune_with_stubbed_timings(monkeypatch, stage_time) -> tuple[dict, list]:
     """``tune_tactics`` for TP8's 16-token bucket on a simulated H200: every GEMM alone takes 1 us (2 us for
     48-row CTAs), and the stage ``stage_time(QKVG tactic, F_A/beta tactic, m, how many times that pair was timed
-    at m)`` seconds. Returns the table and the (QKVG, F_A/beta) tactics installed at each stage timing."""
-    installed, staged = {}, []
+    at m)`` seconds. Returns the table and the (QKVG, F_A/beta) tactics of each stage timing."""
+    staged = []
 
-    def time_step(weights, step, m):
-        pair = (installed.get(QKVG_KEY), installed[FAB_KEY])
+    def time_step(weights, step, m, tactics):
+        pair = (tactics.get(QKVG_KEY), tactics[FAB_KEY])
         staged.append((pair, m))
         return stage_time(*pair, m, staged.count((pair, m)))
 
-    monkeypatch.setattr(autotune, "install_tactics", installed.update)
     monkeypatch.setattr(autotune, "time_tactic", lambda weights, role, tactic, m: 2e-6 if tactic.block_n == 48 else 1e-6)
     monkeypatch.setattr(autotune, "time_step", time_step)
     monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))

@@ -1,5 +1,6 @@
 """Plans: serialization, the persisted store (atomic, locked, corrupt/mismatched files), resolution order."""
 
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -15,19 +16,23 @@ from kda_backend.planning import forced_plan, resolve_plan, share
 
 G = preset("kimi-k3", 8)
 KEY = plan_store.plan_key(G, "NVIDIA H200", (9, 0), torch.bfloat16)
+TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16, stages=4),
+           ("qkvg", 6144, 7168, 1): Tactic(block_n=16, block_k=256, block_t=16, stages=4, x_via_l1=False, x_bulk=True)}
 PLAN = Plan(
     steps={1: Step(True, "cute", "cute", "cute"), 2: Step(False, "torch", "cute", "cute"),
            3: Step(True, "torch", "torch", "torch")},
     source="autotune",
     fallback=SEQUENTIAL_TORCH,
+    tactics=TACTICS,
 )
-TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16, stages=4),
-           ("qkvg", 6144, 7168, 1): Tactic(block_n=16, block_k=256, block_t=16, stages=4, x_via_l1=False, x_bulk=True)}
 
 
 def test_plan_json_round_trip_and_lookup():
-    again = Plan.from_json(json.loads(json.dumps(PLAN.to_json())))
+    again = Plan.from_document(json.loads(json.dumps(PLAN.to_document())))
     assert again == PLAN
+    assert again.tactic_for("qkvg", 6144, 7168, 1) == TACTICS[("qkvg", 6144, 7168, 1)]
+    assert again.tactic_for("qkvg", 6144, 7168, 2) == TACTICS[("qkvg", 6144, 7168, 16)]
+    assert again.tactic_for("qkvg", 6144, 7168, 20) is None and again.tactic_for("fab", 144, 7168, 1) is None
     assert again.step(1).overlap and again.step(3).qkvg == "torch" and again.step(4) == SEQUENTIAL_TORCH
     assert [again.step(m).mode for m in (1, 2, 3)] == ["overlap", "sequential", "overlap"] and again.max_m == 3
     assert "M 3: overlap    qkvg=torch" in again.describe()
@@ -42,26 +47,27 @@ def test_key_names_everything_that_changes_the_answer():
 
 
 def test_store_round_trip(tmp_path):
-    path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    path = plan_store.save(KEY, PLAN, tmp_path)
     assert path.parent == tmp_path and not list(tmp_path.glob("*.tmp"))
-    assert plan_store.load(KEY, tmp_path) == (PLAN, TACTICS)
+    assert plan_store.load(KEY, tmp_path) == PLAN
 
 
 def test_files_from_before_the_single_token_bucket_still_load(tmp_path):
     """Such files name the bucket ``block_t`` and have no ``x_bulk`` in their tactics."""
-    path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    path = plan_store.save(KEY, PLAN, tmp_path)
     data = json.loads(path.read_text())
     data["tactics"] = [{**{k: v for k, v in row.items() if k != "bucket"}, "block_t": row["bucket"],
                         "tactic": {k: v for k, v in row["tactic"].items() if k != "x_bulk"}}
                        for row in data["tactics"] if not row["tactic"]["x_bulk"]]
     path.write_text(json.dumps(data))
-    assert plan_store.load(KEY, tmp_path) == (PLAN, {k: t for k, t in TACTICS.items() if not t.x_bulk})
+    before = {k: t for k, t in TACTICS.items() if not t.x_bulk}
+    assert plan_store.load(KEY, tmp_path) == dataclasses.replace(PLAN, tactics=before)
 
 
 def test_store_uses_hook_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
-    assert plan_store.save(KEY, PLAN, TACTICS).parent == tmp_path
-    assert plan_store.load(KEY) == (PLAN, TACTICS)
+    assert plan_store.save(KEY, PLAN).parent == tmp_path
+    assert plan_store.load(KEY) == PLAN
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"format": 1, "key": ', "", '{"format": 99}', "[]"],
@@ -76,7 +82,7 @@ def test_corrupt_files_warn_once_and_are_ignored(tmp_path, content, kda_log):
 
 
 def test_mismatched_key_is_ignored_with_reason(tmp_path, kda_log):
-    path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    path = plan_store.save(KEY, PLAN, tmp_path)
     data = json.loads(path.read_text())
     data["key"]["device"] = "NVIDIA H100"
     path.write_text(json.dumps(data))
@@ -85,11 +91,12 @@ def test_mismatched_key_is_ignored_with_reason(tmp_path, kda_log):
 
 
 def _writer(folder, worker, rounds):
-    plan = Plan(steps={m: Step(overlap=bool(worker % 2)) for m in range(1, 200)}, source=f"worker{worker}")
+    plan = Plan(steps={m: Step(overlap=bool(worker % 2)) for m in range(1, 200)}, source=f"worker{worker}",
+                tactics=TACTICS)
     for _ in range(rounds):
-        plan_store.save(KEY, plan, TACTICS, folder)
+        plan_store.save(KEY, plan, folder)
         loaded = plan_store.load(KEY, folder)
-        assert loaded is not None and loaded[0].source.startswith("worker")
+        assert loaded is not None and loaded.source.startswith("worker")
 
 
 def test_concurrent_writers_never_tear_the_file(tmp_path):
@@ -100,23 +107,23 @@ def test_concurrent_writers_never_tear_the_file(tmp_path):
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
-    plan, tactics = plan_store.load(KEY, tmp_path)
-    assert plan.source in {"worker0", "worker1"} and tactics == TACTICS
+    plan = plan_store.load(KEY, tmp_path)
+    assert plan.source in {"worker0", "worker1"} and plan.tactics == TACTICS
 
 
 def test_forced_plans(tmp_path, monkeypatch):
     assert forced_plan() is None
     monkeypatch.setenv("KDA_BACKEND_PLAN", "overlap")
-    plan, _ = forced_plan()
+    plan = forced_plan()
     assert plan.step(16).overlap and plan.source == "env:overlap"
     monkeypatch.setenv("KDA_BACKEND_PLAN", "sequential")
-    assert not forced_plan()[0].step(1).overlap
+    assert not forced_plan().step(1).overlap
     monkeypatch.setenv("KDA_BACKEND_PLAN", "chained")
     with pytest.raises(ValueError, match="'chained': no such file; accepted: 'sequential', 'overlap' or the path"):
         forced_plan()
-    path = plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    path = plan_store.save(KEY, PLAN, tmp_path)
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(path))
-    assert forced_plan() == (PLAN, TACTICS)
+    assert forced_plan() == PLAN
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="missing.json': no such file; accepted: 'sequential', 'overlap'"):
         forced_plan()
@@ -137,15 +144,13 @@ def test_resolve_miss_falls_back_to_sequential_torch_with_one_warning(tmp_path, 
     assert len([m for m in kda_log.messages() if "no tuned plan" in m]) == 1
 
 
-def test_resolve_hit_installs_tactics(tmp_path, monkeypatch):
-    from kda_backend import dispatch
-
+def test_resolve_hit_serves_the_stored_plan_with_its_tactics(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
     key = plan_store.plan_key(G, "Fake GPU", (9, 0), torch.bfloat16)
     monkeypatch.setattr(plan_store, "device_key", lambda g, d, t: key)
-    plan_store.save(key, PLAN, TACTICS)
-    assert resolve_plan(G, torch.device("cuda", 0)) == PLAN
-    assert dispatch.provider_by_name("cute")._tactics[("qkvg", 6144, 7168, 16)] == TACTICS[("qkvg", 6144, 7168, 16)]
+    plan_store.save(key, PLAN)
+    plan = resolve_plan(G, torch.device("cuda", 0))
+    assert plan == PLAN and plan.tactics == TACTICS
 
 
 def test_resolve_once_per_key(tmp_path, monkeypatch):
@@ -153,7 +158,7 @@ def test_resolve_once_per_key(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
     key = plan_store.plan_key(G, "Fake GPU", (9, 0), torch.bfloat16)
     monkeypatch.setattr(plan_store, "device_key", lambda g, d, t: key)
-    plan_store.save(key, PLAN, TACTICS)
+    plan_store.save(key, PLAN)
     shares = []
 
     class Counting:
@@ -176,8 +181,8 @@ def test_share_passes_through_host_hook():
             return {"plan": Plan.uniform(2, Step(overlap=True), source="rank0").to_json(), "tactics": plan["tactics"]}
 
     register_plugin(Rank0(), "rank0")
-    plan, tactics = share(PLAN, TACTICS)
-    assert plan.source == "rank0" and tactics == TACTICS
+    plan = share(PLAN)
+    assert plan.source == "rank0" and plan.tactics == TACTICS
 
 
 def test_untuned_m_takes_the_next_larger_tuned_steps_and_the_fallback_above():
@@ -222,7 +227,7 @@ def fake_gpu(tmp_path, monkeypatch):
 
     def fake_autotune(geometry, device, ms=()):
         tuned.append(list(ms))
-        return Plan(steps={m: Step(overlap=True) for m in ms}, source="autotune", fallback=SEQUENTIAL_TORCH), {}
+        return Plan(steps={m: Step(overlap=True) for m in ms}, source="autotune", fallback=SEQUENTIAL_TORCH)
 
     monkeypatch.setattr("kda_backend.autotune.autotune", fake_autotune)
     return key, tuned
@@ -233,14 +238,14 @@ def test_autotune_at_load_tunes_exactly_the_hosts_batch_sizes(fake_gpu, monkeypa
     monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
     plan = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[16, 1, 2, 8, 300])
     assert tuned == [[1, 2, 8, 16]] and sorted(plan.steps) == [1, 2, 8, 16]
-    assert plan_store.load(key)[0] == plan  # stored, and it says which M were tuned
+    assert plan_store.load(key) == plan  # stored, and it says which M were tuned
     again = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 2, 8, 16])
     assert again == plan and len(tuned) == 1
 
 
 def test_stored_plan_missing_host_batch_sizes_is_retuned_with_them_or_borrows(fake_gpu, monkeypatch, kda_log):
     key, tuned = fake_gpu
-    plan_store.save(key, Plan(steps={1: Step(True), 16: Step(True)}, fallback=SEQUENTIAL_TORCH), {})
+    plan_store.save(key, Plan(steps={1: Step(True), 16: Step(True)}, fallback=SEQUENTIAL_TORCH))
     plan = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 4, 16, 24])
     assert tuned == [] and plan.step(4) == Step(True) and plan.step(24) == SEQUENTIAL_TORCH
     messages = kda_log.messages(logging.INFO)

@@ -278,7 +278,7 @@ class _Trailer(GemmProvider):
     def why_not_trailing(self, calls):
         return None
 
-    def run_trailing(self, x, weights, fab, g1):
+    def run_trailing(self, x, weights, fab, g1, tuned=None):
         self.calls.append("trailing")
         if self.fail:
             raise RuntimeError("trail broke")

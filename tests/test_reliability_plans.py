@@ -24,14 +24,14 @@ from kda_backend.planning import forced_plan, resolve_plan
 
 G = preset("kimi-k3", 8)
 KEY = plan_store.plan_key(G, "NVIDIA H200", (9, 0), torch.bfloat16)
-PLAN = Plan(steps={1: Step(True, "cute", "cute", "cute"), 16: Step(False, "torch", "cute", "torch")},
-            source="autotune", fallback=SEQUENTIAL_TORCH)
 TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16, stages=4)}
+PLAN = Plan(steps={1: Step(True, "cute", "cute", "cute"), 16: Step(False, "torch", "cute", "torch")},
+            source="autotune", fallback=SEQUENTIAL_TORCH, tactics=TACTICS)
 PROVIDERS = "'auto' or a registered provider (cute, flashinfer, torch)"
 
 
 def _data():
-    return {"format": 1, "key": KEY, "plan": PLAN.to_json(), "tactics": plan_store.tactics_to_json(TACTICS)}
+    return {"format": 1, "key": KEY, **PLAN.to_document()}
 
 
 def _set(data, path, value):
@@ -180,7 +180,7 @@ def test_serving_with_a_corrupt_stored_plan_runs_sequential_cublas(fake_gpu, kda
 
 def test_forced_plan_file_for_another_gpu_and_tp_is_refused_naming_both_keys(fake_gpu, monkeypatch):
     other = plan_store.plan_key(preset("kimi-k3", 4), "NVIDIA H100", (9, 0), torch.bfloat16)
-    path = plan_store.save(other, PLAN, TACTICS, fake_gpu / "elsewhere")
+    path = plan_store.save(other, PLAN, fake_gpu / "elsewhere")
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(path))
     with pytest.raises(ValueError) as caught:
         resolve_plan(G, torch.device("cuda", 0))
@@ -191,7 +191,7 @@ def test_forced_plan_file_for_another_gpu_and_tp_is_refused_naming_both_keys(fak
 
 
 def test_forced_plan_file_of_other_versions_serves_with_one_warning(fake_gpu, monkeypatch, kda_log):
-    path = plan_store.save({**KEY, "torch": "2.0.0"}, PLAN, TACTICS, fake_gpu / "elsewhere")
+    path = plan_store.save({**KEY, "torch": "2.0.0"}, PLAN, fake_gpu / "elsewhere")
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(path))
     assert resolve_plan(G, torch.device("cuda", 0)) == PLAN
     assert kda_log.messages() == [f"KDA_BACKEND_PLAN={str(path)!r} was tuned with other versions (torch: file "
@@ -200,7 +200,7 @@ def test_forced_plan_file_of_other_versions_serves_with_one_warning(fake_gpu, mo
 
 def test_forced_plan_file_on_cpu_must_match_the_geometry(tmp_path, monkeypatch):
     path = plan_store.save(plan_store.plan_key(preset("kimi-k3", 4), "NVIDIA H200", (9, 0), torch.bfloat16), PLAN,
-                           TACTICS, tmp_path)
+                           tmp_path)
     monkeypatch.setenv("KDA_BACKEND_PLAN", str(path))
     with pytest.raises(ValueError, match=r"made for another device, geometry or dtype \(geometry.tp_size: file 4, "
                                          r"here 8; "):
@@ -223,14 +223,14 @@ def _snapshot(folder):
 
 
 def test_read_only_cache_folder_serves_its_plans_and_is_not_written(fake_gpu):
-    plan_store.save(KEY, PLAN, TACTICS)
+    plan_store.save(KEY, PLAN)
     before = _snapshot(fake_gpu)
     for p in fake_gpu.iterdir():
         p.chmod(0o444)
     fake_gpu.chmod(0o555)
     try:
         assert resolve_plan(G, torch.device("cuda", 0)) == PLAN
-        assert plan_store.load(KEY) == (PLAN, TACTICS)
+        assert plan_store.load(KEY) == PLAN
         assert _snapshot(fake_gpu) == before
     finally:
         fake_gpu.chmod(0o755)
@@ -241,7 +241,7 @@ def test_saving_into_a_read_only_folder_says_so(tmp_path):
     tmp_path.chmod(0o555)
     try:
         with pytest.raises(OSError) as caught:
-            plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+            plan_store.save(KEY, PLAN, tmp_path)
     finally:
         tmp_path.chmod(0o755)
     assert str(caught.value) == (f"cannot store plans in {tmp_path}: Permission denied; accepted: a "
@@ -256,7 +256,7 @@ def test_saving_where_the_lock_cannot_be_created_says_so(tmp_path, monkeypatch):
 
     monkeypatch.setattr(plan_store.os, "open", refused)
     with pytest.raises(PermissionError) as caught:
-        plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+        plan_store.save(KEY, PLAN, tmp_path)
     assert str(caught.value) == (f"cannot store plans in {tmp_path}: Permission denied; accepted: a folder this "
                                  "process may write (KDA_BACKEND_CACHE_DIR)")
 
@@ -290,7 +290,7 @@ def test_cache_folder_that_cannot_be_one_is_named(case, tmp_path, monkeypatch):
     assert str(caught.value) == (f"cache folder {folder} from KDA_BACKEND_CACHE_DIR={str(folder)!r}: {problem}; "
                                  "accepted: a folder, or a path where one can be created")
     with pytest.raises(ValueError) as caught:
-        plan_store.save(KEY, PLAN, TACTICS, folder)
+        plan_store.save(KEY, PLAN, folder)
     assert str(caught.value) == f"cannot store plans in {folder}: {problem}"
 
 
@@ -305,11 +305,11 @@ def _hold_lock(path):
 
 
 def test_reader_never_waits_for_a_stalled_writer(tmp_path):
-    plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    plan_store.save(KEY, PLAN, tmp_path)
     fd = _hold_lock(plan_store.plan_path(KEY, tmp_path))
     try:
         start = time.monotonic()
-        assert plan_store.load(KEY, tmp_path) == (PLAN, TACTICS)
+        assert plan_store.load(KEY, tmp_path) == PLAN
         assert time.monotonic() - start < 1
     finally:
         os.close(fd)
@@ -321,7 +321,7 @@ def test_writer_waits_for_a_stalled_writer_a_bounded_time(tmp_path):
     try:
         start = time.monotonic()
         with pytest.raises(TimeoutError) as caught:
-            plan_store.save(KEY, PLAN, TACTICS, tmp_path, lock_timeout=0.3)
+            plan_store.save(KEY, PLAN, tmp_path, lock_timeout=0.3)
         assert 0.3 <= time.monotonic() - start < 2
     finally:
         os.close(fd)
@@ -340,7 +340,7 @@ def test_writer_killed_holding_the_lock_does_not_block_the_next(tmp_path):
         assert holder.stdout.readline() == "locked\n"
         holder.kill()
         holder.wait(10)
-        assert plan_store.save(KEY, PLAN, TACTICS, tmp_path, lock_timeout=5) == path
+        assert plan_store.save(KEY, PLAN, tmp_path, lock_timeout=5) == path
     finally:
         holder.kill()
         holder.stdout.close()
@@ -355,30 +355,31 @@ def test_temp_files_of_killed_writers_are_removed_at_the_next_save(tmp_path):
     old = time.time() - plan_store.STALE_TMP_S - 5
     for p in (stale, other, foreign):
         os.utime(p, (old, old))
-    plan_store.save(KEY, PLAN, TACTICS, tmp_path)
+    plan_store.save(KEY, PLAN, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, path.with_suffix(".lock").name,
                                                                  live.name, foreign.name])
-    assert plan_store.load(KEY, tmp_path) == (PLAN, TACTICS)
+    assert plan_store.load(KEY, tmp_path) == PLAN
 
 
 def test_threads_writing_and_reading_see_whole_files(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    plans = [Plan(steps={m: Step(overlap=bool(i % 2)) for m in range(1, 100)}, source=f"writer{i}") for i in range(4)]
+    plans = [Plan(steps={m: Step(overlap=bool(i % 2)) for m in range(1, 100)}, source=f"writer{i}", tactics=TACTICS)
+             for i in range(4)]
 
     def write(i):
         for _ in range(20):
-            plan_store.save(KEY, plans[i], TACTICS, tmp_path)
+            plan_store.save(KEY, plans[i], tmp_path)
 
     def read(_):
         seen = [plan_store.load(KEY, tmp_path) for _ in range(50)]
-        return all(s is None or (s[0] in plans and s[1] == TACTICS) for s in seen)
+        return all(s is None or (s in plans and s.tactics == TACTICS) for s in seen)
 
     with ThreadPoolExecutor(8) as pool:
         writers = [pool.submit(write, i) for i in range(4)]
         readers = [pool.submit(read, i) for i in range(4)]
         assert all(r.result() for r in readers) and [w.result() for w in writers] == [None] * 4
-    assert plan_store.load(KEY, tmp_path)[0] in plans and not list(tmp_path.glob("*.tmp"))
+    assert plan_store.load(KEY, tmp_path) in plans and not list(tmp_path.glob("*.tmp"))
 
 
 def test_shared_plan_answer_goes_through_the_schema(fake_gpu):
@@ -396,7 +397,7 @@ def test_shared_plan_answer_goes_through_the_schema(fake_gpu):
 
 def test_plan_tuned_at_load_serves_when_the_cache_folder_refuses_it(fake_gpu, monkeypatch, kda_log):
     monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
-    monkeypatch.setattr("kda_backend.autotune.autotune", lambda geometry, device, ms=(): (PLAN, {}))
+    monkeypatch.setattr("kda_backend.autotune.autotune", lambda geometry, device, ms=(): PLAN)
 
     def refused(*args, **kwargs):
         raise PermissionError(f"cannot store plans in {fake_gpu}: Permission denied; accepted: a folder this process "

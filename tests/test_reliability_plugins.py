@@ -136,7 +136,7 @@ def test_share_plan_hook_that_fails_drops_its_plugin_and_the_plan_stays_local(ca
     answer, problem = SHARE_CASES[case]
     register_plugin(_plugin("kda_share_plan", answer), "host")
     plan = Plan(fallback=SEQUENTIAL_TORCH, source="local")
-    assert share(plan, {}) == (plan, {})
+    assert share(plan) == plan
     assert kda_log.messages() == [_dropped("host", problem)]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -40,6 +40,8 @@ class GemmCall:
     :param capability: CUDA compute capability ``(major, minor)``, ``None`` on CPU.
     :param x_row_stride: elements between rows of x (``k`` when contiguous; larger for strided views).
     :param w_row_stride: elements between rows of w.
+    :param tuned: the plan's tuned configuration of this GEMM for the provider that tuned it (the CuTe provider's
+        tactic); other providers ignore it. ``None``: the provider's default.
     """
 
     role: str
@@ -51,6 +53,7 @@ class GemmCall:
     capability: tuple[int, int] | None
     x_row_stride: int
     w_row_stride: int
+    tuned: Hashable | None = None
 
 
 class GemmProvider(abc.ABC):
@@ -89,11 +92,13 @@ class GemmProvider(abc.ABC):
         """As :meth:`prepare`, for the trailing side chain."""
 
     def run_trailing(
-        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor
+        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor,
+        tuned: dict[str, Hashable | None] | None = None,
     ) -> None:
         """The side chain on the current stream, right behind this provider's QKVG launch and beside it:
         ``fab = x @ W_fab.T``, then ``g1 = fab[:, :D] @ W_fb.T``, bit for bit what :meth:`run` computes for them
-        (the forked side chain), without a second stream. ``weights`` by role."""
+        (the forked side chain), without a second stream. ``weights`` and ``tuned`` (:attr:`GemmCall.tuned`) by
+        role."""
         raise NotImplementedError(f"provider {self.name!r} has no trailing side chain")
 
     def __repr__(self) -> str:

@@ -2,8 +2,8 @@
 
 Supported: CUDA devices of compute capability 9.x (Hopper) and 10.x (Blackwell), bf16, M up to ``MAX_M``, N a
 multiple of 8 (the last row block may be half a 16-row tile, e.g. SGLang's F_A/beta at TP16, 136 rows), K of 64,
-16-byte aligned rows. The tactic per (role, M bucket) comes from the tuned tactic table when one was loaded
-(:meth:`CuteDslProvider.add_tactics`), else the kernel's default.
+16-byte aligned rows. A call's tactic is the one its plan tuned (:attr:`~kda_backend.providers.base.GemmCall.tuned`),
+else the kernel's default.
 
 Launches are lean: :meth:`CuteDslProvider.launcher` resolves a call's tactic and compiled kernel once (with split-K
 also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and the side chain
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,8 @@ from kda_backend.kernels.skinny_gemm import (
     NO_LINK,
     Link,
     Tactic,
-    block_t_for,
     default_tactic,
     output_tiles,
-    tactic_bucket,
     validate_link,
     validate_tactic,
 )
@@ -55,26 +53,15 @@ class CuteDslProvider(GemmProvider):
         """:param cache_dir: the cache folder, asked whenever a kernel is first needed; compiled kernels are kept in
             its ``kernels`` folder for later processes. ``None``: kernels are kept in memory only."""
         self._cache_dir = cache_dir
-        self._tactics: dict[tuple[str, int, int, int], Tactic] = {}
         self._trailing: dict[tuple, TrailingLauncher] = {}
 
     def kernel_folder(self) -> Path | None:
         """Where compiled kernels are kept on disk, or ``None`` (memory only)."""
         return None if self._cache_dir is None else self._cache_dir() / "kernels"
 
-    def add_tactics(self, tactics: dict[tuple[str, int, int, int], Tactic]) -> None:
-        """Install tuned tactics keyed by ``(role, n, k, bucket)`` (see
-        :func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`; later entries win). Launchers built before keep the
-        tactics they were built with."""
-        self._tactics.update(tactics)
-        self._trailing.clear()
-
     def tactic(self, call: GemmCall) -> Tactic:
-        for bucket in dict.fromkeys((tactic_bucket(call.m), block_t_for(call.m))):
-            tuned = self._tactics.get((call.role, call.n, call.k, bucket))
-            if tuned is not None:
-                return tuned
-        return default_tactic(call.n, call.k, call.m)
+        """The plan's tactic for ``call`` (:meth:`~kda_backend.plan.Plan.tactic_for`), else the kernel's default."""
+        return call.tuned if isinstance(call.tuned, Tactic) else default_tactic(call.n, call.k, call.m)
 
     def why_not(self, call: GemmCall) -> str | None:
         reason = cuda_bf16_reason(call, SUPPORTED_MAJORS)
@@ -139,15 +126,19 @@ class CuteDslProvider(GemmProvider):
         self._trailing[_trailing_key(calls["fab"], calls["fb"])] = self._trailing_launcher(calls)
 
     def run_trailing(
-        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor
+        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor,
+        tuned: dict[str, Hashable | None] | None = None,
     ) -> None:
         """See :meth:`GemmProvider.run_trailing`; the launches of each operand layout (M, shapes, row strides) are
         resolved once, by :meth:`prepare_trailing` or on the layout's first call."""
         w_fab, w_fb = weights["fab"], weights["fb"]
-        key = (x.shape[0], x.stride(0), w_fab.shape, w_fab.stride(0), w_fb.shape, w_fb.stride(0), fab.stride(0))
+        tuned = tuned or {}
+        key = (x.shape[0], x.stride(0), w_fab.shape, w_fab.stride(0), w_fb.shape, w_fb.stride(0), fab.stride(0),
+               tuned.get("fab"), tuned.get("fb"))
         run = self._trailing.get(key)
         if run is None:
             calls = _calls(x, {"fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
+            calls = {role: dataclasses.replace(call, tuned=tuned.get(role)) for role, call in calls.items()}
             run = self._trailing[key] = self._trailing_launcher(calls)
         run(x, w_fab, fab, w_fb, g1)
 
@@ -217,7 +208,8 @@ def _current_device() -> torch.device:
 
 def _trailing_key(fab: GemmCall, fb: GemmCall) -> tuple:
     """:meth:`CuteDslProvider.run_trailing`'s cache key of these calls."""
-    return (fab.m, fab.x_row_stride, (fab.n, fab.k), fab.w_row_stride, (fb.n, fb.k), fb.w_row_stride, fb.x_row_stride)
+    return (fab.m, fab.x_row_stride, (fab.n, fab.k), fab.w_row_stride, (fb.n, fb.k), fb.w_row_stride, fb.x_row_stride,
+            fab.tuned, fb.tuned)
 
 
 def _check_aligned(what: str, tensors: dict[str, torch.Tensor]) -> None:
