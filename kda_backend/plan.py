@@ -31,7 +31,7 @@ AUTO = "auto"
 STEP_FIELDS = ("overlap", *ROLES)
 PLAN_FIELDS = ("source", "fallback", "steps")
 _M_KEY = re.compile(r"[1-9][0-9]*")
-TACTIC_ROW_FIELDS = ("role", "n", "k", "bucket", "block_t", "tactic")
+TACTIC_ROW_FIELDS = ("role", "n", "k", "bucket", "tactic")
 # Field -> JSON type of a tactic, from the dataclass defaults (every field is an int or a bool).
 TACTIC_FIELDS = {f.name: type(f.default) for f in dataclasses.fields(Tactic)}
 BUCKETS = tuple(sorted({tactic_bucket(m) for m in range(1, 65)}))
@@ -93,8 +93,7 @@ def tactic_from_json(data: Any, n: int, k: int, where: str = "tactic") -> Tactic
 
 
 def tactics_from_json(rows: Any, where: str = "tactics") -> TacticTable:
-    """The tactic table from :func:`tactics_to_json`'s rows (files written before the single-token bucket existed
-    call ``bucket`` ``block_t``, with the same values).
+    """The tactic table from :func:`tactics_to_json`'s rows.
 
     :raises PlanError: a row that is not an object of the fields below, or an invalid tactic.
     """
@@ -108,10 +107,9 @@ def tactics_from_json(rows: Any, where: str = "tactics") -> TacticTable:
         if role not in ROLES:
             raise PlanError(f"{at}.role: {role!r}; accepted: {', '.join(ROLES)}")
         n, k = _positive_int(f"{at}.n", row.get("n")), _positive_int(f"{at}.k", row.get("k"))
-        bucket_field = "bucket" if "bucket" in row else "block_t"
-        bucket = row.get(bucket_field)
+        bucket = row.get("bucket")
         if isinstance(bucket, bool) or bucket not in BUCKETS:
-            raise PlanError(f"{at}.{bucket_field}: {bucket!r}; accepted: {', '.join(map(str, BUCKETS))}")
+            raise PlanError(f"{at}.bucket: {bucket!r}; accepted: {', '.join(map(str, BUCKETS))}")
         table[(role, n, k, bucket)] = tactic_from_json(row.get("tactic"), n, k, f"{at}.tactic")
     return table
 

@@ -52,18 +52,6 @@ def test_store_round_trip(tmp_path):
     assert plan_store.load(KEY, tmp_path) == PLAN
 
 
-def test_files_from_before_the_single_token_bucket_still_load(tmp_path):
-    """Such files name the bucket ``block_t`` and have no ``x_bulk`` in their tactics."""
-    path = plan_store.save(KEY, PLAN, tmp_path)
-    data = json.loads(path.read_text())
-    data["tactics"] = [{**{k: v for k, v in row.items() if k != "bucket"}, "block_t": row["bucket"],
-                        "tactic": {k: v for k, v in row["tactic"].items() if k != "x_bulk"}}
-                       for row in data["tactics"] if not row["tactic"]["x_bulk"]]
-    path.write_text(json.dumps(data))
-    before = {k: t for k, t in TACTICS.items() if not t.x_bulk}
-    assert plan_store.load(KEY, tmp_path) == dataclasses.replace(PLAN, tactics=before)
-
-
 def test_store_uses_hook_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
     assert plan_store.save(KEY, PLAN).parent == tmp_path
