@@ -154,7 +154,8 @@ class Step:
         names = {}
         for role in ROLES:
             name = data.get(role, AUTO)
-            accepted = f"{AUTO!r} or a registered provider" + (f" ({', '.join(sorted(providers))})" if providers else "")
+            named = f" ({', '.join(sorted(providers))})" if providers else ""
+            accepted = f"{AUTO!r} or a registered provider{named}"
             if not isinstance(name, str) or not name:
                 raise PlanError(f"{where}.{role}: {name!r} is {json_type(name)}; accepted: {accepted}")
             if providers is not None and name != AUTO and name not in providers:
@@ -247,7 +248,8 @@ class Plan:
             ):
                 raise PlanError(f"{where}.steps: key {m!r} is not an M; accepted: positive integers (\"1\", \"16\")")
             steps[int(m)] = Step.from_json(step, providers, f"{where}.steps[{str(m)!r}]")
-        fallback = Step.from_json(data["fallback"], providers, f"{where}.fallback") if "fallback" in data else DEFAULT_STEP
+        fallback = (Step.from_json(data["fallback"], providers, f"{where}.fallback") if "fallback" in data
+                    else DEFAULT_STEP)
         source = data.get("source", "file")
         if not isinstance(source, str):
             raise PlanError(f"{where}.source: {source!r} is {json_type(source)}; accepted: a string")

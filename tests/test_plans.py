@@ -1,6 +1,5 @@
 """Plans: serialization, the persisted store (atomic, locked, corrupt/mismatched files), resolution order."""
 
-import dataclasses
 import json
 import logging
 import multiprocessing as mp
