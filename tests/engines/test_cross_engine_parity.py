@@ -4,8 +4,11 @@ For every checkpoint, TP size and rank (``PARITY_CASES``): the shard each engine
 equals the shard sliced here; each adapter's projections equal the core's on the same path (packed for vLLM,
 split for SGLang) bit for bit, equal each other, and are within bf16 tolerance of the fp32 reference; and the
 per-rank outputs of TP 2, 4 and 8, put together, are the TP 1 outputs (f_a replicated, QKVG, beta and F_B
-sharded). Prints the parity report.
+sharded). Prints the parity report, then one line per engine and world size for the groups of one process per
+rank that the engine sessions ran (``test_vllm_tp_processes.py``, ``test_sglang_tp_processes.py``).
 """
+
+import json
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from parity.checkpoint import (
     CHECKPOINTS, NAMES, PARITY_CASES, PARITY_MS, TP_SIZES, artifacts_dir, core_weights, loaded_checksums,
     make_checkpoint, parity_input, rank_shards,
 )
+from tp_processes import WORLD_SIZES
 
 ENGINES = ("vllm", "sglang")
 # Each engine's storage: vLLM packs [QKVG; FAB] padded to 16 rows, SGLang keeps QKVG and pads [f_a | b] to 8.
@@ -109,6 +113,30 @@ def _tally(stat, equal, diff, rel):
     stat[1] += 1
     stat[2] = max(stat[2], diff)
     stat[3] = max(stat[3], rel)
+
+
+def test_tensor_parallel_processes_report(capsys):
+    """Per engine and world size, what the engine session's group of one process per rank (gloo, the engine's own
+    parallel state, loaders and plan broadcast) established; a world size is listed once its test passed there."""
+    groups = {}
+    for engine in ENGINES:
+        path = artifacts_dir() / f"{engine}-tp-processes.json"
+        if not path.exists():
+            pytest.fail(f"{path} missing: run the nox sessions `vllm` and `sglang` before `parity`")
+        groups[engine] = {g["world_size"]: g for g in json.loads(path.read_text())["groups"]}
+    with capsys.disabled():
+        print("\ntensor-parallel processes (one per rank, gloo): outputs over all ranks vs the one-process group | "
+              "plan every rank serves | forwards at different times | wall time")
+        for engine in ENGINES:
+            for n, g in sorted(groups[engine].items()):
+                print(f"{engine:>12} | tp{n} | {n} processes | {'+'.join(g['checkpoints']):<12} | "
+                      f"{g['outputs_equal_to_tp1']:>3} outputs bitwise equal to TP1 | {g['plan']!r} on "
+                      f"{g['ranks_with_rank0_plan']}/{n} ranks, {g['broadcasts_at_load']} broadcast(s) at load, none "
+                      f"in forwards | ranks {g['forwarded']} forwarded, {g['never_forwarded']} never, none blocked | "
+                      f"{g['seconds']:.0f} s")
+    for engine in ENGINES:
+        passed = sorted(groups[engine])
+        assert passed == list(WORLD_SIZES), f"{engine}: world sizes that passed: {passed}"
 
 
 def _gather_ranks(per_rank, geometry):
