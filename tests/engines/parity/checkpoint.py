@@ -103,7 +103,7 @@ def parity_input(m: int, hidden: int) -> torch.Tensor:
 
 def artifacts_dir() -> Path:
     """Where each engine's nox session writes its outputs for the final comparison (ignored by git)."""
-    return Path(__file__).resolve().parents[2] / ".parity-artifacts"
+    return Path(__file__).resolve().parents[3] / ".parity-artifacts"
 
 
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
