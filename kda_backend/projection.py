@@ -215,12 +215,14 @@ class KDAProjection:
         if any(gemm.provider is not provider for gemm in gemms.values()):
             return None
         calls = {role: self.gemm_call(role, m) for role in ROLES}
-        if dispatch.broken_reason(provider.name) is not None or provider.why_not_trailing(calls) is not None:
+        if dispatch.broken_reason(provider.name) is not None:
             return None
         try:
+            if provider.why_not_trailing(calls) is not None:
+                return None
             provider.prepare_trailing(calls)
-        except Exception as exc:
-            dispatch.mark_broken(provider, f"trailing side chain: prepare failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # a plugin's provider may fail in any way; its GEMMs then run one after another
+            dispatch.mark_broken(provider, f"trailing side chain: {type(exc).__name__}: {exc}")
             return None
         return provider
 
