@@ -218,7 +218,9 @@ def _neighbours(tactic: Tactic, cands: list[Tactic]) -> list[Tactic]:
 def _shortlist(cands: list[Tactic], default: Tactic, limit: int) -> list[Tactic]:
     """The default first, then candidates closest to it (same block_n first), at most ``limit``."""
     others = [c for c in cands if c != default]
-    others.sort(key=lambda c: (c.block_n != default.block_n, abs(c.stages - default.stages), c.block_k != default.block_k))
+    others.sort(
+        key=lambda c: (c.block_n != default.block_n, abs(c.stages - default.stages), c.block_k != default.block_k)
+    )
     return [default, *others[: limit - 1]]
 
 

@@ -131,7 +131,8 @@ def unknown_names() -> list[str]:
 
 
 def warn_unknown() -> None:
-    """Warn once per name about each undocumented ``KDA_BACKEND_*`` variable (a misspelling would otherwise go unnoticed)."""
+    """Warn once per name about each undocumented ``KDA_BACKEND_*`` variable (a misspelling would otherwise go
+    unnoticed)."""
     from kda_backend.log import warn_once  # the logger reads this module's variables
 
     for name in unknown_names():

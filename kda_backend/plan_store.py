@@ -52,7 +52,9 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def plan_key(geometry: KDAGeometry, device_name: str, capability: tuple[int, int], dtype: torch.dtype) -> dict[str, Any]:
+def plan_key(
+    geometry: KDAGeometry, device_name: str, capability: tuple[int, int], dtype: torch.dtype
+) -> dict[str, Any]:
     """Everything that changes a tuned plan."""
     return {
         "device": device_name,

@@ -197,7 +197,9 @@ class Hooks:
     def _hook(self) -> Any:
         return get_plugin_manager().hook
 
-    def _answers(self, hook_name: str, check: Callable[[Any], Any], first: bool, **kwargs: Any) -> list[tuple[str, Any]]:
+    def _answers(
+        self, hook_name: str, check: Callable[[Any], Any], first: bool, **kwargs: Any
+    ) -> list[tuple[str, Any]]:
         """``(plugin name, checked answer)`` of the implementations of ``hook_name`` that answered (not ``None``),
         in call order; only the first if ``first``. ``check`` returns the answer as the caller takes it or raises
         :class:`_Refused`."""

@@ -160,9 +160,8 @@ class CuteDslProvider(GemmProvider):
         d = fb_call.k
 
         def operands(stream: torch.cuda.Stream) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-            work, arrivals = (
-                _split_k_operands(fab_tactic, fab_call.m, fab_call.n, stream) if fab_tactic.split_k > 1 else (None, None)
-            )
+            split = fab_tactic.split_k > 1
+            work, arrivals = _split_k_operands(fab_tactic, fab_call.m, fab_call.n, stream) if split else (None, None)
             return work, arrivals, arrival_counters.chain_for_stream(stream)
 
         per_stream = PerStream(operands, device)
