@@ -53,6 +53,9 @@ class CuteDslProvider(GemmProvider):
         """:param cache_dir: the cache folder, asked whenever a kernel is first needed; compiled kernels are kept in
             its ``kernels`` folder for later processes. ``None``: kernels are kept in memory only."""
         self._cache_dir = cache_dir
+        # Launchers by call and device, shared by every layer: one split-K workspace per stream for all of them
+        # (launches on one stream run in order), not one per layer and M.
+        self._launchers: dict[tuple[GemmCall, torch.device], Launcher] = {}
         self._trailing: dict[tuple, TrailingLauncher] = {}
 
     def kernel_folder(self) -> Path | None:
@@ -85,8 +88,14 @@ class CuteDslProvider(GemmProvider):
     def launcher(self, call: GemmCall) -> Launcher:
         """``(x [M, K], w [N, K], out [M, N])`` -> ``out = x @ w.T`` on the current stream, for ``call``'s M, N, K and
         row strides on the current device: the tactic and kernel are resolved here (compiled by :meth:`prepare`), a
-        split-K launch's workspace and counters once per stream."""
+        split-K launch's workspace and counters once per stream. One launcher per call serves every layer."""
         device = _current_device()
+        found = self._launchers.get((call, device))
+        if found is None:
+            found = self._launchers[(call, device)] = self._new_launcher(call, device)
+        return found
+
+    def _new_launcher(self, call: GemmCall, device: torch.device) -> Launcher:
         tactic = self.tactic(call)
         kernel = self._kernel(tactic, call, device)
         if tactic.split_k == 1:
