@@ -57,6 +57,12 @@ def error_once(key: str, message: str) -> None:
         get_logger().error(message)
 
 
+def info_once(key: str, message: str) -> None:
+    """Log ``message`` at INFO the first time ``key`` is seen in this process."""
+    if _first(key):
+        get_logger().info(message)
+
+
 def debug_once(key: str, message: str) -> None:
     """Log ``message`` at DEBUG the first time ``key`` is seen in this process."""
     if _first(key):

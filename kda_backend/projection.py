@@ -19,13 +19,11 @@ import torch
 
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
-from kda_backend.log import get_logger
+from kda_backend.log import info_once
 from kda_backend.plan import AUTO, Plan
 from kda_backend.providers.base import ROLES, GemmCall, GemmProvider
 from kda_backend.stages import Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
 from kda_backend.weights import ProjectionWeights
-
-_announced: set[tuple[str, str]] = set()
 
 
 class KDAProjection:
@@ -101,9 +99,8 @@ class KDAProjection:
                         raise
                     dispatch.mark_broken(provider, f"prepare failed: {type(exc).__name__}: {exc}")
                     named = None
-            if (role, provider.name) not in _announced:
-                _announced.add((role, provider.name))
-                get_logger().info("%s GEMM [N=%d, K=%d] served by %r", role, call.n, call.k, provider.name)
+            info_once(f"serves-{role}-{provider.name}",
+                      f"{role} GEMM [N={call.n}, K={call.k}] served by {provider.name!r}")
             self._chosen[key] = provider
         return self._chosen[key]
 
