@@ -29,7 +29,7 @@ def vllm(session: nox.Session) -> None:
     """The vLLM adapter against the real vllm==0.33 on the CPU, in its own environment (vLLM pins torch)."""
     session.install("vllm==0.33.0")
     session.install("-e", ".[test]")
-    session.run("pytest", "tests/engines/test_vllm_adapter.py", "tests/engines/test_vllm_tp_processes.py",
+    session.run("pytest", "tests/engines/test_vllm_adapter.py", "tests/engines/test_tp_processes.py",
                 *session.posargs)
 
 
@@ -39,7 +39,7 @@ def sglang(session: nox.Session) -> None:
     session.install("sglang==0.5.23")
     session.install("-e", ".[test]")
     session.run(
-        "pytest", "tests/engines/test_sglang_adapter.py", "tests/engines/test_sglang_tp_processes.py", *session.posargs
+        "pytest", "tests/engines/test_sglang_adapter.py", "tests/engines/test_tp_processes.py", *session.posargs
     )
 
 

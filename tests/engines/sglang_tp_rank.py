@@ -1,4 +1,4 @@
-"""One SGLang tensor-parallel rank in its own process (started by tests/engines/test_sglang_tp_processes.py).
+"""One SGLang tensor-parallel rank in its own process (started by tests/engines/test_tp_processes.py).
 
 Starts as SGLang's scheduler process does (``run_scheduler_process``): loads SGLang's plugins, publishes the server
 arguments (``--attention-backend kda``, TP ``world_size``, CPU) with this process's placement, and builds the

@@ -5,7 +5,7 @@ equals the shard sliced here; each adapter's projections equal the core's on the
 split for SGLang) bit for bit, equal each other, and are within bf16 tolerance of the fp32 reference; and the
 per-rank outputs of TP 2, 4 and 8, put together, are the TP 1 outputs (f_a replicated, QKVG, beta and F_B
 sharded). Prints the parity report, then one line per engine and world size for the groups of one process per
-rank that the engine sessions ran (``test_vllm_tp_processes.py``, ``test_sglang_tp_processes.py``).
+rank that the nox sessions `vllm` and `sglang` ran (``test_tp_processes.py``).
 """
 
 import json
@@ -116,7 +116,7 @@ def _tally(stat, equal, diff, rel):
 
 
 def test_tensor_parallel_processes_report(capsys):
-    """Per engine and world size, what the engine session's group of one process per rank (gloo, the engine's own
+    """Per engine and world size, what the engine's group of one process per rank (gloo, the engine's own
     parallel state, loaders and plan broadcast) established; a world size is listed once its test passed there."""
     groups = {}
     for engine in ENGINES:

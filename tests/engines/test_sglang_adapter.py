@@ -19,7 +19,7 @@ import torch
 
 sglang = pytest.importorskip("sglang")
 
-from engine_helpers import free_port  # noqa: E402
+from engine_helpers import CountingShare, free_port  # noqa: E402
 from parity.checkpoint import (  # noqa: E402
     CHECKPOINTS, PARITY_CASES, PARITY_MS, PREFIX, TINY, artifacts_dir, load_checkpoint, loaded_checksums,
     make_checkpoint, parity_input,
@@ -495,29 +495,13 @@ def test_fork_follows_sglang_gate_in_capture_mode_and_breakable_graphs():
 # --- the plan: resolved at load on every rank together, never in a forward -----------------------------------------
 
 
-class _CountingCollective:
-    """Stands for SGLang's TP broadcast of the plan: counts calls, and fails once the ranks are loaded (a collective
-    in a forward would wait for a DP-attention rank that skips self-attention in that step)."""
-
-    def __init__(self):
-        self.calls = 0
-        self.closed = False
-
-    @hookimpl(tryfirst=True)
-    def kda_share_plan(self, plan):
-        if self.closed:
-            raise AssertionError("the plan was shared from a forward")
-        self.calls += 1
-        return plan
-
-
 def test_plan_is_shared_at_load_on_every_rank_and_never_in_forward(kda_backend_selected, monkeypatch):
     from sglang.test.parallel_groups import parallel_scope
 
     from kda_backend import planning
 
     monkeypatch.setenv("KDA_BACKEND_PLAN", "overlap")  # on the CPU only a forced or stored plan is shared
-    collective = _CountingCollective()
+    collective = CountingShare()
     register_plugin(collective, "counting-collective")
     layers = {}
     for rank in (0, 1):
@@ -526,7 +510,6 @@ def test_plan_is_shared_at_load_on_every_rank_and_never_in_forward(kda_backend_s
             layers[rank] = [_build_layer(seed=rank), _build_layer(seed=10 + rank)]
         assert collective.calls == rank + 1, "each rank shares the plan once, while its weights are loaded"
         assert all(layer._kda_projection is not None for layer in layers[rank])
-    collective.closed = True
     for rank, built in layers.items():
         for layer in built:
             for m in (1, 3, 16):

@@ -23,13 +23,13 @@ vllm = pytest.importorskip("vllm")
 
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 
-from engine_helpers import free_port  # noqa: E402
+from engine_helpers import CountingShare, free_port  # noqa: E402
 from parity.checkpoint import (  # noqa: E402
     CHECKPOINTS, K3_RANK, PARITY_CASES, PARITY_MS, PREFIX, TINY, artifacts_dir, core_weights, load_checkpoint,
     loaded_checksums, make_checkpoint, parity_input, rank_shards,
 )
 
-from kda_backend import KDAProjection, hookimpl, plugins, register_plugin  # noqa: E402
+from kda_backend import KDAProjection, plugins, register_plugin  # noqa: E402
 from kda_backend.geometry import preset  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM = 256, 8, 32
@@ -533,27 +533,11 @@ def test_forward_hands_vllm_forward_the_layout_vllm_does(injected, k3_rank_env, 
 # --- the plan, resolved at load --------------------------------------------------------------------------------------
 
 
-class _CountingCollective:
-    """Stands for vLLM's TP broadcast of the plan: counts calls, and fails once the ranks are loaded (a collective
-    in a forward would wait for a rank whose forward never comes)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.closed = False
-
-    @hookimpl(tryfirst=True)
-    def kda_share_plan(self, plan):
-        if self.closed:
-            raise AssertionError("the plan was shared from a forward")
-        self.calls += 1
-        return plan
-
-
 def test_plan_is_shared_at_load_on_every_rank_and_never_in_forward(injected, vllm_env, monkeypatch, tmp_path):
     from kda_backend import planning
 
     monkeypatch.setenv("KDA_BACKEND_PLAN", "overlap")  # on the CPU only a forced or stored plan is shared
-    collective = _CountingCollective()
+    collective = CountingShare()
     register_plugin(collective, "counting-collective")
     tensors = make_checkpoint(tmp_path / "tiny.safetensors", TINY)
     layers = {}
@@ -563,7 +547,6 @@ def test_plan_is_shared_at_load_on_every_rank_and_never_in_forward(injected, vll
         assert collective.calls == rank + 1, "the plan must be shared while the weights are loaded"
     second = _load_rank(vllm_env, tensors, 2, 1, monkeypatch)  # rank 1's next layer: resolved once per process
     assert collective.calls == 2 and second.kda_projection.plan == layers[1].kda_projection.plan
-    collective.closed = True
     monkeypatch.setattr(layers[0], "_forward", _Recorder())
     for m in (1, 3, 8):  # rank 0 runs; rank 1 never does (e.g. it skips attention in this step)
         layers[0].forward(torch.randn(m, HIDDEN).bfloat16(), torch.arange(m))

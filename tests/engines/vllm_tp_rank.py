@@ -1,4 +1,4 @@
-"""One vLLM tensor-parallel rank in its own process (started by tests/engines/test_vllm_tp_processes.py).
+"""One vLLM tensor-parallel rank in its own process (started by tests/engines/test_tp_processes.py).
 
 Sets up vLLM's distributed state as a vLLM worker does (``init_distributed_environment`` over gloo, then
 ``initialize_model_parallel(world_size)`` under a ``VllmConfig``), loads vLLM's plugins and resolves the Kimi-K3
