@@ -21,7 +21,7 @@ from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import info_once
 from kda_backend.plan import AUTO, Plan
-from kda_backend.providers.base import ROLES, GemmCall, GemmProvider
+from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, TrailingLauncher
 from kda_backend.stages import Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
 from kda_backend.weights import ProjectionWeights
 
@@ -185,9 +185,9 @@ class KDAProjection:
             step = self.plan.step(m)
             gemms = {role: self._gemm(role, m, self.gemm_call(role, m)) for role in ROLES}
             if step.overlap:
+                trailing, trail = self._trailing(m, gemms)
                 stage: SequentialStage = OverlappedStage(
-                    **gemms, trailing=self._trailing_provider(m, gemms), aux_stream=self.aux_stream,
-                    tuned={role: self.gemm_call(role, m).tuned for role in ("fab", "fb")},
+                    **gemms, trailing=trailing, trail=trail, aux_stream=self.aux_stream
                 )
             else:
                 stage = SequentialStage(**gemms)
@@ -204,24 +204,23 @@ class KDAProjection:
         provider = self.provider(role, m)
         return Gemm(role, provider, provider.launcher(call))
 
-    def _trailing_provider(self, m: int, gemms: dict[str, Gemm]) -> GemmProvider | None:
+    def _trailing(self, m: int, gemms: dict[str, Gemm]) -> tuple[GemmProvider | None, TrailingLauncher | None]:
         """The provider that runs an overlapped step's side chain behind its own QKVG launch on one stream (where
-        the host does not allow a fork): the one serving all three GEMMs, if it can; else ``None`` and the side
-        chain runs after QKVG."""
+        the host does not allow a fork) and its bound launcher: the one serving all three GEMMs, if it can; else
+        ``(None, None)`` and the side chain runs after QKVG."""
         provider = gemms["qkvg"].provider
         if any(gemm.provider is not provider for gemm in gemms.values()):
-            return None
+            return None, None
         calls = {role: self.gemm_call(role, m) for role in ROLES}
         if dispatch.broken_reason(provider.name) is not None:
-            return None
+            return None, None
         try:
             if provider.why_not_trailing(calls) is not None:
-                return None
-            provider.prepare_trailing(calls)
+                return None, None
+            return provider, provider.trailing_launcher(calls)
         except Exception as exc:  # a plugin's provider may fail in any way; its GEMMs then run one after another
             dispatch.mark_broken(provider, f"trailing side chain: {type(exc).__name__}: {exc}")
-            return None
-        return provider
+            return None, None
 
     def _recover(self, failed: LaunchFailed, m: int) -> None:
         """After a launch failed: re-raise where the provider was forced (or is torch, the last resort), else mark

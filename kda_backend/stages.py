@@ -6,7 +6,7 @@ called with operands only.
   bit for bit); taken when the torch provider serves both big GEMMs and the caller gave no output buffers.
 - :class:`OverlappedStage`: the F_A/beta -> F_B side chain beside QKVG: forked onto the aux stream while the host
   allows a fork, else trailing QKVG's launch on the same stream where one provider serves all three GEMMs
-  (:meth:`~kda_backend.providers.base.GemmProvider.run_trailing`), else after QKVG. The same kernels, so the same
+  (:meth:`~kda_backend.providers.base.GemmProvider.trailing_launcher`), else after QKVG. The same kernels, so the same
   bits, on every path.
 
 A stage calls its providers' launchers directly: no selection, lookup or hook call per call except the host's fork
@@ -17,14 +17,12 @@ drop that provider and rebuild the stage.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
-
 import torch
 
 from kda_backend.log import warn_once
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.plugins import hooks
-from kda_backend.providers.base import GemmProvider, Launcher
+from kda_backend.providers.base import GemmProvider, Launcher, TrailingLauncher
 from kda_backend.weights import ProjectionWeights
 
 
@@ -95,14 +93,13 @@ class OverlappedStage(SequentialStage):
 
     :param trailing: the provider serving all three GEMMs when it can trail the side chain behind its own QKVG
         launch on one stream, else ``None``.
+    :param trail: that provider's bound trailing side chain (with ``trailing``).
     :param aux_stream: the fork's stream (``None``: ask the host on the first fork).
-    :param tuned: the side chain's tuned configurations by role, which the trailing provider runs with
-        (:attr:`~kda_backend.providers.base.GemmCall.tuned`).
     """
 
     trailing: GemmProvider | None = None
+    trail: TrailingLauncher | None = None
     aux_stream: torch.cuda.Stream | None = None
-    tuned: dict[str, Hashable | None] = dataclasses.field(default_factory=dict)
     scheduler: OverlapScheduler = dataclasses.field(default_factory=OverlapScheduler)
     mode = "overlap"
 
@@ -119,9 +116,9 @@ class OverlappedStage(SequentialStage):
             )
             return
         self.qkvg(x, w.w_qkvg, qkvg)
-        if self.trailing is not None and g1 is not None:
+        if self.trail is not None and g1 is not None:
             try:
-                self.trailing.run_trailing(x, {"fab": w.w_fab, "fb": w.w_fb}, fab, g1, self.tuned)
+                self.trail(x, w.w_fab, fab, w.w_fb, g1)
             except Exception as exc:
                 raise LaunchFailed(self.trailing, "trailing side chain") from exc
             return

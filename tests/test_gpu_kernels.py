@@ -13,7 +13,7 @@ from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles, tactic_bucket
 from kda_backend.plan import Plan
 from kda_backend.providers.base import GemmCall
-from kda_backend.providers.cute_provider import CuteDslProvider, launch
+from kda_backend.providers.cute_provider import CuteDslProvider, launch, trailing_calls
 
 
 class TunedProvider(CuteDslProvider):
@@ -259,7 +259,7 @@ def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path):
 def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
     """F_A/beta and F_B trailing QKVG on one stream (the provider's trailing side chain with these tactics)
     compute exactly what the plain kernels do (what the forked side chain runs), and leave the chain counters at
-    zero; the launches are resolved once per operand layout."""
+    zero; one launcher serves both trailing runs."""
     g = preset("kimi-k3", 8)
     fab_tactic = dataclasses.replace(fab_tactic, block_t=block_t_for(m))
     fb_tactic = Tactic(16, 128, block_t_for(m), 2, x_via_l1=False)
@@ -275,7 +275,7 @@ def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
                          for c in (g.qkvg_rows, g.fab_rows, g.local_width))
         launch(Tactic(16, 256, block_t_for(m), 4), x, w_qkvg, qkvg)
         if trailing:
-            provider.run_trailing(x, {"fab": w_fab, "fb": w_fb}, fab, g1)
+            provider.trailing_launcher(trailing_calls(x, w_fab, fab, w_fb))(x, w_fab, fab, w_fb, g1)
         else:
             launch(fab_tactic, x, w_fab, fab)
             launch(fb_tactic, fab[:, : g.head_dim], w_fb, g1)
@@ -383,7 +383,7 @@ def test_partial_row_block_in_the_trailing_side_chain(tp, m):
             _guarded(m, c) for c in (g.qkvg_rows, g.fab_rows, g.local_width))
         provider.run("qkvg", x, w["qkvg"], qkvg)
         if mode == "trailing":
-            provider.run_trailing(x, w, fab, g1)
+            provider.trailing_launcher(trailing_calls(x, w["fab"], fab, w["fb"]))(x, w["fab"], fab, w["fb"], g1)
         else:
             provider.run("fab", x, w["fab"], fab)
             provider.run("fb", fab[:, : g.head_dim], w["fb"], g1)

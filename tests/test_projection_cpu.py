@@ -278,12 +278,15 @@ class _Trailer(GemmProvider):
     def why_not_trailing(self, calls):
         return None
 
-    def run_trailing(self, x, weights, fab, g1, tuned=None):
-        self.calls.append("trailing")
-        if self.fail:
-            raise RuntimeError("trail broke")
-        torch.mm(x, weights["fab"].t(), out=fab)
-        torch.mm(fab[:, : weights["fb"].shape[1]], weights["fb"].t(), out=g1)
+    def trailing_launcher(self, calls):
+        def trail(x, w_fab, fab, w_fb, g1):
+            self.calls.append("trailing")
+            if self.fail:
+                raise RuntimeError("trail broke")
+            torch.mm(x, w_fab.t(), out=fab)
+            torch.mm(fab[:, : w_fb.shape[1]], w_fb.t(), out=g1)
+
+        return trail
 
 
 def test_overlapped_step_without_fork_trails_the_side_chain_behind_qkvg():

@@ -9,8 +9,8 @@ Roles of the projection stage (shapes from :class:`kda_backend.geometry.KDAGeome
 A provider answers :meth:`GemmProvider.why_not` per call (``None`` = supported) so dispatch can log a precise
 reason, and :meth:`GemmProvider.run` writes into a caller-provided output (no allocation inside CUDA graphs).
 The projection binds one :meth:`GemmProvider.launcher` per role and M, so per-call work is only the launch. A
-provider may also run the overlapped side chain on QKVG's own stream (:meth:`GemmProvider.run_trailing`), where
-the host does not allow a fork.
+provider may also run the overlapped side chain on QKVG's own stream (:meth:`GemmProvider.trailing_launcher`),
+where the host does not allow a fork.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ ROLES = ("qkvg", "fab", "fb")
 
 # ``launcher(x [M, K], w [N, K], out [M, N])``: one GEMM with everything that depends only on its call resolved.
 Launcher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# ``(x [M, K], w_fab [fab_rows, K], fab [M, fab_rows], w_fb [hD, D], g1 [M, hD])``: the side chain trailing QKVG.
+TrailingLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,17 +90,11 @@ class GemmProvider(abc.ABC):
         """``None`` if this provider can run the side chain trailing its own QKVG launch for ``calls``, else why not."""
         return f"provider {self.name!r} has no trailing side chain"
 
-    def prepare_trailing(self, calls: dict[str, GemmCall]) -> None:
-        """As :meth:`prepare`, for the trailing side chain."""
-
-    def run_trailing(
-        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor,
-        tuned: dict[str, Hashable | None] | None = None,
-    ) -> None:
-        """The side chain on the current stream, right behind this provider's QKVG launch and beside it:
-        ``fab = x @ W_fab.T``, then ``g1 = fab[:, :D] @ W_fb.T``, bit for bit what :meth:`run` computes for them
-        (the forked side chain), without a second stream. ``weights`` and ``tuned`` (:attr:`GemmCall.tuned`) by
-        role."""
+    def trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
+        """The side chain on the current stream, right behind this provider's QKVG launch and beside it, for the
+        ``fab`` and ``fb`` calls in ``calls`` (their :attr:`GemmCall.tuned` included), resolved once (compiled here,
+        never inside a capture): ``fab = x @ W_fab.T``, then ``g1 = fab[:, :D] @ W_fb.T``, bit for bit what the
+        launchers of those calls compute (the forked side chain), without a second stream."""
         raise NotImplementedError(f"provider {self.name!r} has no trailing side chain")
 
     def __repr__(self) -> str:

@@ -6,8 +6,8 @@ multiple of 8 (the last row block may be half a 16-row tile, e.g. SGLang's F_A/b
 else the kernel's default.
 
 Launches are lean: :meth:`CuteDslProvider.launcher` resolves a call's tactic and compiled kernel once (with split-K
-also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and the side chain
-trailing QKVG is resolved once per operand layout (:meth:`CuteDslProvider.run_trailing`). Launches make no Python
+also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and so is the side chain
+trailing QKVG (:meth:`CuteDslProvider.trailing_launcher`). Launches make no Python
 checks: the TVM-FFI function checks every tensor's dtype, device, static shape, strides and 16-byte alignment in C
 before it launches, and raises ``ValueError`` or ``TypeError``.
 """
@@ -34,15 +34,12 @@ from kda_backend.kernels.skinny_gemm import (
     validate_link,
     validate_tactic,
 )
-from kda_backend.providers.base import GemmCall, GemmProvider, Launcher, cuda_bf16_reason
+from kda_backend.providers.base import GemmCall, GemmProvider, Launcher, TrailingLauncher, cuda_bf16_reason
 
 MAX_M = 64
 SUPPORTED_MAJORS = (9, 10)
 SIGNALS = Link(signals=True, x_ready=True)  # F_A/beta trailing QKVG on its stream
 WAITS = Link(waits=True)  # F_B behind it
-
-# ``(x [M, K], w_fab [fab_rows, K], fab [M, fab_rows], w_fb [hD, D], g1 [M, hD])``: the trailing side chain.
-TrailingLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class CuteDslProvider(GemmProvider):
@@ -56,7 +53,7 @@ class CuteDslProvider(GemmProvider):
         # Launchers by call and device, shared by every layer: one split-K workspace per stream for all of them
         # (launches on one stream run in order), not one per layer and M.
         self._launchers: dict[tuple[GemmCall, torch.device], Launcher] = {}
-        self._trailing: dict[tuple, TrailingLauncher] = {}
+        self._trailing: dict[tuple[GemmCall, GemmCall, torch.device], TrailingLauncher] = {}
 
     def kernel_folder(self) -> Path | None:
         """Where compiled kernels are kept on disk, or ``None`` (memory only)."""
@@ -118,7 +115,7 @@ class CuteDslProvider(GemmProvider):
         launch(self.tactic(_calls(x, {role: (w, x)})[role]), x, w, out, self.kernel_folder())
 
     def trailing_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
-        """F_A/beta's and F_B's tactics, with activations from L2 (see :meth:`run_trailing`)."""
+        """F_A/beta's and F_B's tactics, with activations from L2 (see :meth:`trailing_launcher`)."""
         fab = dataclasses.replace(self.tactic(calls["fab"]), x_via_l1=False)
         fb = self.tactic(calls["fb"]).with_activations_from_l2()
         return fab, fb
@@ -131,31 +128,18 @@ class CuteDslProvider(GemmProvider):
         fab, fb = self.trailing_tactics(calls)
         return validate_link(SIGNALS, fab) or validate_link(WAITS, fb)
 
-    def prepare_trailing(self, calls: dict[str, GemmCall]) -> None:
-        self._trailing[_trailing_key(calls["fab"], calls["fb"])] = self._trailing_launcher(calls)
+    def trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
+        """See :meth:`GemmProvider.trailing_launcher`: ``fab = x @ w_fab.T`` launched as soon as every QKVG CTA
+        passed its wait for x, then ``g1 = fab[:, :D] @ w_fb.T`` as soon as ``fab``'s tiles are stored (see
+        :class:`~kda_backend.kernels.skinny_gemm.Link`). The tactics are the forked side chain's with activations
+        from L2: the same arithmetic, so the same bits. One launcher per pair of calls serves every layer."""
+        key = (calls["fab"], calls["fb"], _current_device())
+        found = self._trailing.get(key)
+        if found is None:
+            found = self._trailing[key] = self._new_trailing_launcher(calls)
+        return found
 
-    def run_trailing(
-        self, x: torch.Tensor, weights: dict[str, torch.Tensor], fab: torch.Tensor, g1: torch.Tensor,
-        tuned: dict[str, Hashable | None] | None = None,
-    ) -> None:
-        """See :meth:`GemmProvider.run_trailing`; the launches of each operand layout (M, shapes, row strides) are
-        resolved once, by :meth:`prepare_trailing` or on the layout's first call."""
-        w_fab, w_fb = weights["fab"], weights["fb"]
-        tuned = tuned or {}
-        key = (x.shape[0], x.stride(0), w_fab.shape, w_fab.stride(0), w_fb.shape, w_fb.stride(0), fab.stride(0),
-               tuned.get("fab"), tuned.get("fb"))
-        run = self._trailing.get(key)
-        if run is None:
-            calls = _calls(x, {"fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
-            calls = {role: dataclasses.replace(call, tuned=tuned.get(role)) for role, call in calls.items()}
-            run = self._trailing[key] = self._trailing_launcher(calls)
-        run(x, w_fab, fab, w_fb, g1)
-
-    def _trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
-        """The side chain right behind QKVG's launch on the same stream: ``fab = x @ w_fab.T`` launched as soon as
-        every QKVG CTA passed its wait for x, then ``g1 = fab[:, :D] @ w_fb.T`` as soon as ``fab``'s tiles are
-        stored (see :class:`~kda_backend.kernels.skinny_gemm.Link`). The tactics are the forked side chain's with
-        activations from L2: the same arithmetic, so the same bits."""
+    def _new_trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
         fab_call, fb_call = calls["fab"], calls["fb"]
         fab_tactic, fb_tactic = self.trailing_tactics(calls)
         reason = validate_link(SIGNALS, fab_tactic) or validate_link(WAITS, fb_tactic)
@@ -214,16 +198,19 @@ def _current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _trailing_key(fab: GemmCall, fb: GemmCall) -> tuple:
-    """:meth:`CuteDslProvider.run_trailing`'s cache key of these calls."""
-    return (fab.m, fab.x_row_stride, (fab.n, fab.k), fab.w_row_stride, (fb.n, fb.k), fb.w_row_stride, fb.x_row_stride,
-            fab.tuned, fb.tuned)
-
-
 def _check_aligned(what: str, tensors: dict[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         if t.data_ptr() % 16:
             raise ValueError(f"{what}: {name} data pointer is not 16-byte aligned")
+
+
+def trailing_calls(
+    x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor, tuned: dict[str, Hashable] | None = None
+) -> dict[str, GemmCall]:
+    """The ``fab`` and ``fb`` calls of a side chain over these operands (``tuned``: their tactics by role, else the
+    defaults), for :meth:`CuteDslProvider.trailing_launcher`."""
+    calls = _calls(x, {"fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
+    return {role: dataclasses.replace(call, tuned=(tuned or {}).get(role)) for role, call in calls.items()}
 
 
 def _calls(x: torch.Tensor, operands: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, GemmCall]:
