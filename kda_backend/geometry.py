@@ -14,11 +14,13 @@ Row layouts (weights are ``[out_features, in_features]``, bf16):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 
 @dataclasses.dataclass(frozen=True)
 class KDAGeometry:
-    """Model-level KDA geometry plus the tensor-parallel size; properties give the per-rank shapes.
+    """Model-level KDA geometry plus the tensor-parallel size; properties give the per-rank shapes (computed once:
+    the projection reads them on every call).
 
     :param hidden_size: model width (the GEMMs' K).
     :param num_heads: KDA heads over all ranks.
@@ -50,29 +52,29 @@ class KDAGeometry:
         """The same model sharded over ``tp_size`` ranks."""
         return dataclasses.replace(self, tp_size=tp_size)
 
-    @property
+    @functools.cached_property
     def heads_local(self) -> int:
         return self.num_heads // self.tp_size
 
-    @property
+    @functools.cached_property
     def local_width(self) -> int:
         """``heads_local * head_dim``: width of each of q, k, v, g and of F_B's output."""
         return self.heads_local * self.head_dim
 
-    @property
+    @functools.cached_property
     def qkvg_rows(self) -> int:
         return 4 * self.local_width
 
-    @property
+    @functools.cached_property
     def fab_rows_used(self) -> int:
         """f_a rows + beta rows, before padding."""
         return self.head_dim + self.heads_local
 
-    @property
+    @functools.cached_property
     def fab_rows(self) -> int:
         return -(-self.fab_rows_used // self.row_multiple) * self.row_multiple
 
-    @property
+    @functools.cached_property
     def packed_rows(self) -> int:
         return self.qkvg_rows + self.fab_rows
 

@@ -153,28 +153,29 @@ class KDAProjection:
         self.validate_input(x)
         g = self.geometry
         m = x.shape[0]
-        for name, buf, cols in (("qkvg_out", qkvg_out, g.qkvg_rows), ("fab_out", fab_out, g.fab_rows),
-                                ("g1_out", g1_out, g.local_width)):
-            if buf is not None:
-                _validate_output(name, buf, m, cols, x)
-        if not compute_fb and g1_out is not None:
-            raise ValueError("g1_out: given with compute_fb=False, which computes no g1")
+        if qkvg_out is not None or fab_out is not None or g1_out is not None:
+            for name, buf, cols in (("qkvg_out", qkvg_out, g.qkvg_rows), ("fab_out", fab_out, g.fab_rows),
+                                    ("g1_out", g1_out, g.local_width)):
+                if buf is not None:
+                    _validate_output(name, buf, m, cols, x)
+            if not compute_fb and g1_out is not None:
+                raise ValueError("g1_out: given with compute_fb=False, which computes no g1")
         g1 = None if not compute_fb else x.new_empty(m, g.local_width) if g1_out is None else g1_out
         if m == 0:
             fab = x.new_empty(0, g.fab_rows)
-            return x.new_empty(0, g.qkvg_rows), g1, fab[:, g.head_dim : g.fab_rows_used]
+            return x.new_empty(0, g.qkvg_rows), g1, fab.narrow(1, g.head_dim, g.heads_local)
         while True:
             stage, packed = self._stages.get(m) or self._stage_pair(m)
             try:
                 if packed is not None and qkvg_out is None and fab_out is None:
                     out = x.new_empty(m, g.packed_rows)
                     packed.run(x, self.weights, out, g1)
-                    qkvg, fab = out[:, : g.qkvg_rows], out[:, g.qkvg_rows :]
+                    qkvg, fab = out.narrow(1, 0, g.qkvg_rows), out.narrow(1, g.qkvg_rows, g.fab_rows)
                 else:
                     qkvg = x.new_empty(m, g.qkvg_rows) if qkvg_out is None else qkvg_out
                     fab = x.new_empty(m, g.fab_rows) if fab_out is None else fab_out
                     stage.run(x, self.weights, qkvg, fab, g1)
-                return qkvg, g1, fab[:, g.head_dim : g.fab_rows_used]
+                return qkvg, g1, fab.narrow(1, g.head_dim, g.heads_local)
             except LaunchFailed as failed:
                 self._recover(failed, m)
 

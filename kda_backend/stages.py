@@ -84,7 +84,7 @@ class PackedStage:
     def run(self, x: torch.Tensor, w: ProjectionWeights, out: torch.Tensor, g1: torch.Tensor | None) -> None:
         self.packed(x, w.packed, out)
         if g1 is not None:
-            self.fb(out[:, w.geometry.qkvg_rows : w.geometry.qkvg_rows + w.geometry.head_dim], w.w_fb, g1)
+            self.fb(out.narrow(1, w.geometry.qkvg_rows, w.geometry.head_dim), w.w_fb, g1)
 
 
 @dataclasses.dataclass
@@ -109,7 +109,7 @@ class OverlappedStage(SequentialStage):
     def run(
         self, x: torch.Tensor, w: ProjectionWeights, qkvg: torch.Tensor, fab: torch.Tensor, g1: torch.Tensor | None
     ) -> None:
-        aux = self._fork_stream(x.device) if x.device.type == "cuda" else None
+        aux = self._fork_stream(x.device) if x.is_cuda else None
         if aux is not None:
             self.scheduler.run(
                 lambda: self.qkvg(x, w.w_qkvg, qkvg), lambda: run_side_chain(self.fab, self.fb, x, w, fab, g1), aux
@@ -144,5 +144,5 @@ def run_side_chain(
     """``fab = x @ W_fab.T``, then (unless ``g1`` is ``None``) ``g1 = fab[:, :D] @ W_fb.T``."""
     fab_gemm(x, w.w_fab, fab)
     if g1 is not None:
-        fb_gemm(fab[:, : w.geometry.head_dim], w.w_fb, g1)
+        fb_gemm(fab.narrow(1, 0, w.geometry.head_dim), w.w_fb, g1)
 
