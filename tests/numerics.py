@@ -30,3 +30,18 @@ def projection_outputs(m: int, geometry, device: str | torch.device = "cpu") -> 
     """Poisoned ``qkvg_out [M, 4hD]``, ``fab_out [M, fab_rows]``, ``g1_out [M, hD]`` for one projection call."""
     g = geometry
     return poisoned((m, g.qkvg_rows), (m, g.fab_rows), (m, g.local_width), device=device)
+
+
+def packed_kimi_k3_layers(count: int, seed: int, tp: int = 8, device: str | torch.device = "cuda") -> list:
+    """``count`` layers of random Kimi-K3 per-rank weights at ``tp``, packed as vLLM keeps them
+    ([q|k|v|g|f_a|beta|pad] and f_b), layer ``i`` from seed ``seed + i``."""
+    from kda_backend import ProjectionWeights
+    from kda_backend.geometry import preset
+    from kda_backend.reference import KDALayerWeights
+
+    g = preset("kimi-k3", tp)
+    layers = []
+    for i in range(count):
+        w = KDALayerWeights.random(g, torch.Generator().manual_seed(seed + i), device=device)
+        layers.append(ProjectionWeights.from_packed(torch.cat([w.w_qkvg, w.w_fab]), w.w_fb, g))
+    return layers

@@ -13,12 +13,11 @@ Replays with changed inputs must equal eager bit for bit, and the two protocols'
 
 import pytest
 import torch
-from numerics import assert_close
+from numerics import assert_close, packed_kimi_k3_layers
 
-from kda_backend import KDAProjection, Plan, ProjectionWeights, Step, plugins
-from kda_backend.geometry import preset
+from kda_backend import KDAProjection, Plan, Step, plugins
 from kda_backend.hookspecs import hookimpl
-from kda_backend.reference import KDALayerWeights, reference_projection
+from kda_backend.reference import reference_projection
 
 pytestmark = pytest.mark.gpu
 BATCH_SIZES = (1, 2, 4, 8, 12, 16)
@@ -47,12 +46,7 @@ class _Host:
 
 @pytest.fixture(scope="module")
 def layers():
-    g = preset("kimi-k3", 8)
-    out = []
-    for i in range(LAYERS):
-        w = KDALayerWeights.random(g, torch.Generator().manual_seed(200 + i), device="cuda")
-        out.append(ProjectionWeights.from_packed(torch.cat([w.w_qkvg, w.w_fab]), w.w_fb, g))
-    return out
+    return packed_kimi_k3_layers(LAYERS, seed=200)
 
 
 def _model(projs):

@@ -12,11 +12,10 @@ before the layer's eager break. Replays with changed inputs must equal eager bit
 
 import pytest
 import torch
-from numerics import assert_close
+from numerics import assert_close, packed_kimi_k3_layers
 
-from kda_backend import ProjectionWeights, build_projection, hookimpl, plugins
-from kda_backend.geometry import preset
-from kda_backend.reference import KDALayerWeights, reference_projection
+from kda_backend import build_projection, hookimpl, plugins
+from kda_backend.reference import reference_projection
 
 pytestmark = pytest.mark.gpu
 BATCH_SIZES = (1, 2, 8, 16, 64)
@@ -112,13 +111,7 @@ def _model(projections, head_dim):
 
 @pytest.fixture(scope="module")
 def layers():
-    """Kimi-K3 TP8 per-rank weights, packed as vLLM keeps them ([q|k|v|g|f_a|beta|pad] and f_b)."""
-    g = preset("kimi-k3", 8)
-    out = []
-    for i in range(LAYERS):
-        w = KDALayerWeights.random(g, torch.Generator().manual_seed(300 + i), device="cuda")
-        out.append(ProjectionWeights.from_packed(torch.cat([w.w_qkvg, w.w_fab]), w.w_fb, g))
-    return out
+    return packed_kimi_k3_layers(LAYERS, seed=300)
 
 
 def _assert_all_equal(got, expected, what):
