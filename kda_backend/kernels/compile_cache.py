@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from kda_backend.kernels import l2_cache_policy, skinny_gemm
+from kda_backend.kernels import l2_cache_policy, skinny_gemm, wgmma_gemm
 from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
+from kda_backend.kernels.wgmma_gemm import WgmmaGemm, WgmmaTactic
 from kda_backend.log import warn_once
 
 
@@ -37,7 +38,7 @@ from kda_backend.log import warn_once
 class KernelKey:
     """What makes two compiled binaries different."""
 
-    tactic: Tactic
+    tactic: Tactic | WgmmaTactic
     n: int
     k: int
     x_row_stride: int
@@ -47,7 +48,13 @@ class KernelKey:
 
 
 def kernel_key(
-    tactic: Tactic, n: int, k: int, x_row_stride: int, w_row_stride: int, device: torch.device, link: Link = NO_LINK
+    tactic: Tactic | WgmmaTactic,
+    n: int,
+    k: int,
+    x_row_stride: int,
+    w_row_stride: int,
+    device: torch.device,
+    link: Link = NO_LINK,
 ) -> KernelKey:
     """The key of the kernel computing ``x[M, K] @ w[N, K].T`` with these row strides on ``device``."""
     return KernelKey(tactic, n, k, x_row_stride, w_row_stride, target_arch(device), link)
@@ -110,7 +117,8 @@ def compile_gemm(key: KernelKey) -> Any:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    gemm = SkinnyGemm(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride, key.link)
+    kernel_class = WgmmaGemm if isinstance(key.tactic, WgmmaTactic) else SkinnyGemm
+    gemm = kernel_class(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride, key.link)
     m = cute.sym_int32(symbol="M")
     x = make_fake_tensor(cutlass.BFloat16, (m, key.k), (key.x_row_stride, 1), assumed_align=16)
     w = make_fake_tensor(cutlass.BFloat16, (key.n, key.k), (key.w_row_stride, 1), assumed_align=16)
@@ -136,7 +144,7 @@ def compile_gemm(key: KernelKey) -> Any:
 
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 # Every file whose code is traced into a compiled kernel, and this one (how it compiles).
-KERNEL_SOURCES = (skinny_gemm.__file__, l2_cache_policy.__file__, __file__)
+KERNEL_SOURCES = (skinny_gemm.__file__, wgmma_gemm.__file__, l2_cache_policy.__file__, __file__)
 
 
 def fingerprint(key: KernelKey) -> str:

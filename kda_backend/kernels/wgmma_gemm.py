@@ -1,0 +1,514 @@
+"""Skinny GEMM ``out[M, N] = x[M, K] @ w[N, K]^T`` on Hopper's warpgroup tensor cores (``wgmma``), for M of tens to
+hundreds of tokens.
+
+Algorithm (swap-AB, as :mod:`kda_backend.kernels.skinny_gemm`). The MMA's M mode is given to the weight rows and its
+N mode to the tokens: each CTA owns ``block_n`` weight rows and ``block_t`` tokens and walks its share of K. N and K
+are thousands, so the kernel is memory-bound on the weights (each read once); from some tens of tokens on, the
+``mma.sync`` kernel's ldmatrix traffic and register-fed MMAs cost issue slots that ``wgmma`` spends on nothing: it reads
+both operands from shared memory by descriptor, and one instruction covers 64 weight rows by up to 256 tokens.
+
+- Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
+  ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
+  ``wgmma`` reads); one or two consumer warpgroups (64 weight rows per ``wgmma`` atom) only wait for a slot, issue the
+  MMAs and free the slot. A slot's full/empty mbarrier pair is :class:`cutlass.pipeline.PipelineTmaAsync`'s: one
+  transaction barrier per slot counts the bytes of both tiles. Tokens at or past M are zero-filled by the TMA unit
+  (the activation tensor map covers exactly M rows), rows past N likewise, so neither needs a predicate in the loop.
+- L2 evicts weight lines first (each is read once per layer) and activation lines last (every CTA along the rows
+  reads them), see :mod:`kda_backend.kernels.l2_cache_policy`.
+- Accumulation in fp32 registers; each consumer keeps one K-tile of MMAs in flight and frees the slot of the one
+  before. No cross-warp reduction and no floating-point atomics, so results are bitwise deterministic; split-K
+  (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, with the protocol of
+  :class:`~kda_backend.kernels.skinny_gemm.Tactic`'s split-K (fp32 workspace, per-tile arrival counters that the
+  last CTA resets).
+- Programmatic dependent launch: the producer issues the weight tiles of the prologue before
+  ``griddepcontrol.wait``, so they stream while the previous kernel (which produced x) drains; only activation
+  loads wait for it.
+- The output tile leaves through shared memory (the drained ring) as 16-byte runs of one token's rows; only tokens
+  below M and rows below N are stored.
+
+Shapes N, K and the row strides are compile-time constants; M is a runtime value up to ``block_t * grid_y``. The
+kernel takes :class:`~kda_backend.kernels.skinny_gemm.SkinnyGemm`'s call signature, so the compile cache and the
+provider launch either; it takes no part in the single-stream side chain
+(:class:`~kda_backend.kernels.skinny_gemm.Link`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+from cutlass import pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+from cutlass.utils import hopper_helpers
+
+from kda_backend.kernels.arrival_counters import SPLIT_K_COUNTERS
+from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_policy
+from kda_backend.kernels.skinny_gemm import (
+    COPY_BITS,
+    ELEMS_PER_COPY,
+    MAX_SMEM_BYTES,
+    NO_LINK,
+    SPLIT_K_FLAG_BYTES,
+    Link,
+    output_tiles,
+    row_blocks,
+)
+
+ATOM_ROWS = 64  # wgmma's M: weight rows per instruction and warpgroup
+WARPGROUP_THREADS = 128
+PRODUCER_THREADS = 32  # one warp issues the TMA loads
+SWIZZLE_ATOM_BYTES = 1024  # a 128-byte swizzle repeats every 8 rows of 128 bytes; TMA needs the ring aligned to it
+# Bytes before the ring: the slots' mbarrier pairs and the split-K flag, rounded up to the ring's alignment (dynamic
+# shared memory starts 1024-byte aligned).
+RING_OFFSET_BYTES = SWIZZLE_ATOM_BYTES
+MAX_STAGES = 32  # their 16-byte mbarrier pairs and the flag fit before the ring
+MAX_ACC_REGISTERS = 128  # fp32 accumulators per consumer thread; more spill (255 registers per thread in all)
+TOKEN_TILES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # the token tiles the candidates use (any multiple of 8 runs)
+MAX_TOKEN_TILE = 256  # wgmma's N limit
+SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
+CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
+REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per thread
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaTactic:
+    """One specialization of the kernel.
+
+    :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
+        each). Where it does not divide N the last row block is partial (its rows past N are zero-filled and never
+        stored).
+    :param block_k: K elements per pipeline stage (64: one 128-byte swizzle atom, or 128), dividing K.
+    :param block_t: tokens per CTA, the ``wgmma`` N: a multiple of 8 up to 256; M above it uses more CTAs along grid
+        y (each reads the whole weight block again, mostly from L2).
+    :param stages: K-tiles in flight per CTA (shared memory ring slots).
+    :param split_k: CTAs sharing one output tile along K (grid z), for N too small to give every SM a row block.
+        Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
+        counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
+    :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
+    """
+
+    family: ClassVar[str] = "wgmma"
+
+    block_n: int = 128
+    block_k: int = 64
+    block_t: int = 32
+    stages: int = 6
+    split_k: int = 1
+    pdl: bool = True
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return 1 if self.block_n <= ATOM_ROWS else 2
+
+    @property
+    def consumer_threads(self) -> int:
+        return WARPGROUP_THREADS * self.consumer_warpgroups
+
+    @property
+    def threads(self) -> int:
+        return self.consumer_threads + PRODUCER_THREADS
+
+    def acc_registers(self) -> int:
+        """fp32 accumulators each consumer thread holds."""
+        return self.block_n // self.consumer_warpgroups * self.block_t // WARPGROUP_THREADS
+
+    def stage_bytes(self) -> int:
+        """Bytes of one ring slot, weight and activation tiles: what its transaction barrier counts."""
+        return (self.block_n + self.block_t) * self.block_k * 2
+
+    def smem_bytes(self) -> int:
+        """The ring after the barrier area (the output tile reuses the drained ring)."""
+        return RING_OFFSET_BYTES + self.stages * self.stage_bytes()
+
+    def with_activations_from_l2(self) -> WgmmaTactic:
+        """Itself: the TMA unit reads activations from L2 already (API parity with
+        :meth:`~kda_backend.kernels.skinny_gemm.Tactic.with_activations_from_l2`)."""
+        return self
+
+    def key(self) -> str:
+        split = f"x{self.split_k}" if self.split_k > 1 else ""
+        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{'p' if self.pdl else ''}"
+
+
+def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int) -> str | None:
+    """``None`` if ``tactic`` can run a GEMM with these static sizes, else why not."""
+    t = tactic
+    if n % ELEMS_PER_COPY:
+        return f"N={n} must be a multiple of {ELEMS_PER_COPY} (16-byte output vectors)"
+    if t.block_n not in (64, 128, 256):
+        return f"block_n={t.block_n} must be 64, 128 or 256"
+    if t.block_k not in (64, 128) or k % t.block_k:
+        return f"block_k={t.block_k} must be 64 or 128 dividing K={k}"
+    if t.block_t % 8 or not 8 <= t.block_t <= MAX_TOKEN_TILE:
+        return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKEN_TILE}"
+    if t.acc_registers() > MAX_ACC_REGISTERS:
+        return (f"block_n={t.block_n} with block_t={t.block_t} needs {t.acc_registers()} accumulator registers per "
+                f"thread > {MAX_ACC_REGISTERS}")
+    if not 2 <= t.stages <= MAX_STAGES:
+        return f"stages={t.stages} must be from 2 to {MAX_STAGES}"
+    if t.split_k < 1 or (k // t.block_k) % t.split_k:
+        return f"split_k={t.split_k} must divide the {k // t.block_k} K-tiles"
+    if t.smem_bytes() > MAX_SMEM_BYTES:
+        return f"needs {t.smem_bytes()} B of shared memory > {MAX_SMEM_BYTES}"
+    if x_row_stride % ELEMS_PER_COPY:
+        return f"x row stride {x_row_stride} must be a multiple of {ELEMS_PER_COPY} elements (16 bytes, TMA)"
+    return None
+
+
+def wgmma_output_tiles(tactic: WgmmaTactic, n: int, m: int) -> int:
+    """Output tiles of one launch (one arrival counter each with split-K): the same count as the skinny kernel's."""
+    return output_tiles(tactic, n, m)
+
+
+def wgmma_block_t_for(m: int) -> int:
+    """Smallest token tile of :data:`TOKEN_TILES` covering ``m`` (above 256 tokens, tiles of 256)."""
+    return next((t for t in TOKEN_TILES if m <= t), MAX_TOKEN_TILE)
+
+
+def max_stages(block_n: int, block_k: int, block_t: int, ctas_per_sm: int) -> int:
+    """Most ring slots that let ``ctas_per_sm`` CTAs of this tile share one SM's shared memory."""
+    probe = WgmmaTactic(block_n, block_k, block_t, stages=1)
+    budget = MAX_SMEM_BYTES // ctas_per_sm - RING_OFFSET_BYTES - 1024 * (ctas_per_sm - 1)  # 1 KB reserved per CTA
+    return budget // probe.stage_bytes()
+
+
+def _fill_split(n: int, k: int, m: int, block_n: int, block_k: int, block_t: int) -> int:
+    """The split-K giving about one CTA per SM or more: the smallest split of the K-tiles reaching :data:`SMS` CTAs,
+    limited so the fp32 partials (written and read once each) stay below a quarter of the weight bytes and the
+    output tiles within one stream's arrival counters."""
+    tiles = row_blocks(n, block_n) * -(-m // block_t)
+    k_tiles = k // block_k
+    if tiles >= SMS or tiles > SPLIT_K_COUNTERS:
+        return 1
+    limit = max(1, k // (16 * max(m, 1)))  # split * M * N * 8 B <= N * K * 2 B / 4
+    splits = [s for s in range(1, k_tiles + 1) if k_tiles % s == 0 and s <= limit]
+    return next((s for s in splits if tiles * s >= SMS), splits[-1])
+
+
+def default_wgmma_tactic(n: int, k: int, m: int) -> WgmmaTactic:
+    """A sound tactic without tuning: 64-row CTAs (the most row blocks), 64-element K-tiles, split along K until the
+    CTAs cover every SM, and as many stages as two CTAs per SM allow (split CTAs are many and short)."""
+    block_t = wgmma_block_t_for(m)
+    block_k = 64 if k % 64 == 0 else 128
+    split_k = _fill_split(n, k, m, 64, block_k, block_t)
+    ctas_per_sm = 2 if row_blocks(n, 64) * -(-m // block_t) * split_k > SMS else 1
+    stages = max(2, min(8, max_stages(64, block_k, block_t, ctas_per_sm)))
+    return WgmmaTactic(64, block_k, block_t, stages, split_k)
+
+
+def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
+    """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
+    size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs."""
+    block_t = wgmma_block_t_for(m)
+    found: list[WgmmaTactic] = []
+    for block_n in (64, 128, 256):
+        for block_k in (64, 128):
+            for ctas_per_sm in (1, 2):
+                stages = min(12, max_stages(block_n, block_k, block_t, ctas_per_sm))
+                for split_k in sorted({1, _fill_split(n, k, m, block_n, block_k, block_t)}):
+                    tactic = WgmmaTactic(block_n, block_k, block_t, stages, split_k)
+                    if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
+                        found.append(tactic)
+    default = default_wgmma_tactic(n, k, m)
+    if default not in found and validate_wgmma_tactic(default, n, k, x_row_stride) is None:
+        found.append(default)
+    return found
+
+
+class WgmmaGemm:
+    """The kernel for one tactic and one static problem (N, K, row strides); M is a runtime value."""
+
+    def __init__(
+        self, tactic: WgmmaTactic, n: int, k: int, x_row_stride: int, w_row_stride: int, link: Link = NO_LINK
+    ) -> None:
+        if link != NO_LINK:
+            raise ValueError(f"the wgmma kernel takes no part in the single-stream side chain, got {link}")
+        reason = validate_wgmma_tactic(tactic, n, k, x_row_stride)
+        if reason is not None:
+            raise ValueError(reason)
+        if w_row_stride % ELEMS_PER_COPY:
+            raise ValueError(f"w row stride {w_row_stride} must be a multiple of {ELEMS_PER_COPY} elements (TMA)")
+        self.tactic, self.link = tactic, link
+        self.n, self.k = n, k
+        self.partial = bool(n % tactic.block_n)  # the last row block holds rows past N (zero-filled, never stored)
+        self.x_row_stride, self.w_row_stride = x_row_stride, w_row_stride
+
+    def _check_roles(self, **operands) -> None:
+        """At compile time: the split-K operands are given exactly where the tactic splits, and no chain operands."""
+        t = self.tactic
+        used = {"m_work": t.split_k > 1, "m_arrivals": t.split_k > 1, "m_chain": False, "expected": False}
+        missing = [name for name, value in operands.items() if used[name] and value is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} required by tactic {t.key()}")
+        unused = [name for name, value in operands.items() if not used[name] and value is not None]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} not used by tactic {t.key()}: pass None")
+
+    @cute.jit
+    def __call__(
+        self,
+        m_x: cute.Tensor,
+        m_w: cute.Tensor,
+        m_out: cute.Tensor,
+        m_work: cute.Tensor | None,
+        m_arrivals: cute.Tensor | None,
+        m_chain: cute.Tensor | None,
+        expected: cutlass.Int32 | None,
+        stream,
+    ):
+        """``out = x @ w.T``: ``m_x`` (M, K), ``m_w`` (N, K), ``m_out`` (M, N) contiguous, all bf16. With
+        ``split_k > 1``, ``m_work`` the fp32 workspace (split_k, M, N) contiguous and ``m_arrivals`` int32 arrival
+        counters (one per output tile, :func:`wgmma_output_tiles`), zero on entry and left zero on exit; else both
+        ``None``. ``m_chain`` and ``expected`` are always ``None`` (no side-chain role), kept for
+        :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
+        self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
+        t = self.tactic
+        dtype = m_w.element_type
+        tile_mnk = (t.block_n, t.block_t, t.block_k)
+        # Both operands K-major: weights as wgmma's A (M = rows), activations as its B (N = tokens).
+        tiled_mma = hopper_helpers.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
+            (t.consumer_warpgroups, 1, 1), tiler_mn=(ATOM_ROWS, t.block_t),
+        )
+        s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+        s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+        # The tensor maps are encoded per call from the tensors, so x's covers this call's M (rows past it read as 0).
+        w_tma, w_src = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
+        )
+        x_tma, x_src = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_layout, (t.block_t, t.block_k)
+        )
+        # The kernel works on the swap-AB views: out transposed (N, M) and the workspace as (N, M, split_k).
+        m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
+        if cutlass.const_expr(m_work is not None):
+            m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
+        grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
+        self.kernel(
+            w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, tiled_mma
+        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+
+    @cute.kernel
+    def kernel(
+        self,
+        w_tma: cute.CopyAtom,
+        w_src: cute.Tensor,
+        x_tma: cute.CopyAtom,
+        x_src: cute.Tensor,
+        m_out_t: cute.Tensor,
+        m_work: cute.Tensor | None,
+        m_arrivals: cute.Tensor | None,
+        s_w_layout: cute.ComposedLayout,
+        s_x_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+    ):
+        """``w_tma`` / ``w_src`` and ``x_tma`` / ``x_src``: the TMA atoms and their coordinate tensors over w (N, K)
+        and x (M, K); ``m_out_t`` (N, M): out transposed; ``m_work`` (N, M, split_k): the split-K workspace, or
+        ``None`` as ``m_arrivals``. Warps ``0 .. 4 * consumer_warpgroups - 1`` consume, the last one produces."""
+        t = self.tactic
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bidx, bidy, bidz = cute.arch.block_idx()
+        m_tokens = m_out_t.shape[1]
+        k_tiles = self.k // t.block_k // t.split_k
+        k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
+        dtype = m_out_t.element_type
+
+        smem = cutlass.memory.SmemAllocator()
+        barriers = smem.allocate_array(cutlass.Int64, 2 * t.stages, byte_alignment=8)
+        s_last = None
+        if cutlass.const_expr(t.split_k > 1):
+            s_last = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), SPLIT_K_FLAG_BYTES)
+        w_elems = cute.cosize(s_w_layout.outer)
+        ring = smem.allocate_array(dtype, w_elems + cute.cosize(s_x_layout.outer), byte_alignment=SWIZZLE_ATOM_BYTES)
+        s_w = cute.make_tensor(cute.recast_ptr(ring, s_w_layout.inner, dtype=dtype), s_w_layout.outer)
+        s_x = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_layout.inner, dtype=dtype), s_x_layout.outer)
+
+        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane).
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=t.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
+            tx_count=t.stage_bytes(),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        # (TMA, k_tiles of K) global and (TMA, stages) shared views of each operand.
+        g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (bidx, None))
+        g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (bidy, None))
+        t_sw, t_gw = cpasync.tma_partition(
+            w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
+        )
+        t_sx, t_gx = cpasync.tma_partition(
+            x_tma, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
+        )
+
+        if warp == t.consumer_threads // 32:
+            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, k_first, k_tiles)
+        else:
+            if cutlass.const_expr(t.pdl):
+                # Every thread triggers (a CTA counts once all of its threads have); the producer does after its wait.
+                cute.arch.griddepcontrol_launch_dependents()
+            g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
+            c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
+            thr_mma = tiled_mma.get_slice(tidx)
+            acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, g_o, k_tiles)
+            if cutlass.const_expr(t.split_k > 1):
+                self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
+                                     bidx, bidy, bidz, tidx)
+                # Only the CTA that arrived last holds the full sum; the others are done.
+                if s_last[0] == t.split_k - 1:
+                    self._store_tile(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx)
+            else:
+                self._store_tile(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx)
+
+    @cute.jit
+    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, k_first, k_tiles: cutlass.Constexpr[int]):
+        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it.
+        The TMA copies elect their issuing lane themselves; the whole warp runs this."""
+        t = self.tactic
+        cpasync.prefetch_descriptor(w_tma)
+        cpasync.prefetch_descriptor(x_tma)
+        w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+        prologue = min(t.stages, k_tiles)
+        # Weights need nothing from the previous kernel: the ring's first tiles start before the PDL wait. Each
+        # slot's barrier expects both tiles' bytes, so it completes once the activations land too.
+        for s in cutlass.range_constexpr(prologue):
+            mainloop.producer_acquire(state)  # the ring starts empty: no wait
+            cute.copy(w_tma, t_gw[None, k_first + s], t_sw[None, s], tma_bar_ptr=mainloop.producer_get_barrier(state),
+                      cache_policy=w_policy)
+            state.advance()
+        if cutlass.const_expr(t.pdl):
+            cute.arch.griddepcontrol_wait()
+            # Releasing the next kernel this early lets its weight prologue overlap our tail.
+            cute.arch.griddepcontrol_launch_dependents()
+        for s in cutlass.range_constexpr(prologue):
+            cute.copy(x_tma, t_gx[None, k_first + s], t_sx[None, s],
+                      tma_bar_ptr=mainloop.sync_object_full.get_barrier(s), cache_policy=x_policy)
+        for k in cutlass.range(prologue, k_tiles, unroll=1):
+            mainloop.producer_acquire(state)
+            bar = mainloop.producer_get_barrier(state)
+            cute.copy(w_tma, t_gw[None, k_first + k], t_sw[None, state.index], tma_bar_ptr=bar, cache_policy=w_policy)
+            cute.copy(x_tma, t_gx[None, k_first + k], t_sx[None, state.index], tma_bar_ptr=bar, cache_policy=x_policy)
+            state.advance()
+
+    @cute.jit
+    def _consume(self, mainloop, tiled_mma, thr_mma, s_w, s_x, g_o, k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
+        """The consumer warpgroups: accumulate this CTA's K-tiles, one K-tile of MMAs in flight; each slot is freed
+        once the MMAs reading it completed. Returns the fp32 accumulator fragment of ``g_o`` (block_n, block_t)."""
+        t = self.tactic
+        t_rw = tiled_mma.make_fragment_A(thr_mma.partition_A(s_w))
+        t_rx = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(g_o).shape, cutlass.Float32)
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        self._mma_tile(mainloop, tiled_mma, acc, t_rw, t_rx, read)
+        read.advance()
+        for _ in cutlass.range(1, k_tiles, unroll=1):
+            self._mma_tile(mainloop, tiled_mma, acc, t_rw, t_rx, read)
+            read.advance()
+            # The K-tile before this one is done: its slot may be refilled.
+            warpgroup.wait_group(1)
+            mainloop.consumer_release(release)
+            release.advance()
+        warpgroup.wait_group(0)
+        return acc
+
+    @cute.jit
+    def _mma_tile(self, mainloop, tiled_mma, acc, t_rw, t_rx, read):
+        """Wait for the ring slot ``read`` and issue its MMAs (one commit group)."""
+        mainloop.consumer_wait(read)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(t_rw, mode=[2])):
+            cute.gemm(tiled_mma, acc, t_rw[None, None, kb, read.index], t_rx[None, None, kb, read.index], acc)
+        warpgroup.commit_group()
+
+    def _consumers_sync(self) -> None:
+        """Barrier of the consumer warpgroups only (the producer warp may have exited)."""
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.tactic.consumer_threads)
+
+    def _in_bounds(self, coord, m_tokens):
+        """Whether the output element at ``coord`` (row, token) exists; rows are checked only where the last row
+        block is partial (a static property)."""
+        if self.partial:
+            return cute.elem_less(coord, (self.n, m_tokens))
+        return cute.elem_less(coord[1], m_tokens)
+
+    @cute.jit
+    def _store_tile(self, acc, thr_mma, ring, g_o, c_o, m_tokens, tidx):
+        """Write the accumulator as bf16, real rows and tokens only. The fragment holds scattered 2-byte elements
+        (neighbouring rows belong to other threads), so it is staged token-major in the drained ring and leaves as
+        16-byte runs of one token's rows."""
+        t = self.tactic
+        # Every consumer's MMAs have completed (and with them the last TMA writes): the ring is free.
+        self._consumers_sync()
+        s_o = cute.make_tensor(ring, cute.make_layout((t.block_n, t.block_t), stride=(1, t.block_n)))
+        t_so = thr_mma.partition_C(s_o)
+        t_so.store(acc.load().to(s_o.element_type))
+        self._consumers_sync()
+        vec = (ELEMS_PER_COPY, 1)
+        v_s, v_g, v_c = cute.zipped_divide(s_o, vec), cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_o.element_type, num_bits_per_copy=COPY_BITS)
+        vectors = t.block_n * t.block_t // ELEMS_PER_COPY
+        for j in cutlass.range_constexpr(-(-vectors // t.consumer_threads)):
+            i = j * t.consumer_threads + tidx
+            if i < vectors and self._in_bounds(v_c[(0, i)], m_tokens):
+                cute.copy(store, v_s[(None, i)], v_g[(None, i)])
+
+    @cute.jit
+    def _reduce_split_k(self, acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx):
+        """Publish this CTA's partial and count it in; in the CTA that arrives last, replace ``acc`` with the sum
+        of every split's partial, in split order (``s_last[0] == split_k - 1`` there). Only real tokens' and rows'
+        partials are written and read."""
+        t = self.tactic
+        tile_shape = (t.block_n, t.block_t)
+        t_gp = thr_mma.partition_C(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if self._in_bounds(t_co[i], m_tokens):
+                t_gp[i] = acc[i]
+        # Release: every thread's partial is visible device-wide before thread 0 counts the CTA in.
+        cute.arch.fence_acq_rel_gpu()
+        self._consumers_sync()
+        tile = bidy * row_blocks(self.n, t.block_n) + bidx
+        if tidx == 0:
+            s_last[0] = cute.arch.atomic_add(m_arrivals.iterator + tile, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        self._consumers_sync()
+        if s_last[0] == t.split_k - 1:
+            cute.arch.fence_acq_rel_gpu()
+            # Loads of a chunk of elements from every split are issued before the first add, so the last CTA waits
+            # for L2 about once per chunk, not per split; chunks bound the registers they hold. L2 loads (.cg): this
+            # SM's L1 may hold a stale copy of a line another CTA wrote since.
+            partials = [
+                thr_mma.partition_C(cute.local_tile(m_work[None, None, s], tile_shape, (bidx, bidy)))
+                for s in range(t.split_k)
+            ]
+            chunk = max(1, REDUCE_REGISTERS // t.split_k)
+            size = cute.size(acc)
+            for first in cutlass.range_constexpr(0, size, chunk):
+                parts = []
+                for t_gs in partials:
+                    part = []
+                    for i in cutlass.range_constexpr(first, min(first + chunk, size)):
+                        value = cutlass.Float32(0.0)
+                        if self._in_bounds(t_co[i], m_tokens):
+                            value = cute.arch.load(
+                                t_gs.iterator + cute.crd2idx(i, t_gs.layout), cutlass.Float32, cop="cg"
+                            )
+                        part.append(value)
+                    parts.append(part)
+                for j in cutlass.range_constexpr(len(parts[0])):
+                    total = parts[0][j]
+                    for s in cutlass.range_constexpr(1, t.split_k):
+                        total = total + parts[s][j]
+                    acc[first + j] = total
+            if tidx == 0:
+                # Stream order makes the reset visible to the next kernel that uses these counters.
+                m_arrivals[tile] = 0

@@ -1,0 +1,205 @@
+"""The Hopper wgmma skinny GEMM: tactics, compilation for sm_90a on the CPU, and on the GPU against an fp32 reference
+for M from 17 to 256 tokens (token tiles smaller than M, split-K, partial row blocks, CUDA-graph replay)."""
+
+import pytest
+import torch
+
+from kda_backend.kernels import compile_cache
+from kda_backend.kernels.compile_cache import KernelKey, compile_gemm
+from kda_backend.kernels.skinny_gemm import Link, output_tiles
+from kda_backend.kernels.wgmma_gemm import (
+    MAX_TOKEN_TILE,
+    WgmmaGemm,
+    WgmmaTactic,
+    default_wgmma_tactic,
+    validate_wgmma_tactic,
+    wgmma_block_t_for,
+    wgmma_candidate_tactics,
+    wgmma_output_tiles,
+)
+
+K = 7168  # Kimi-K3 hidden size
+QKVG_TP8, QKVG_TP4, FAB = 6144, 12288, 144  # rows of QKVG at TP8 and TP4, F_A/beta (vLLM's 16-row padding)
+M_VALUES = [17, 24, 32, 40, 64, 100, 128, 200, 256]
+
+
+def test_key_names_every_field():
+    assert WgmmaTactic(128, 64, 32, 6, split_k=2).key() == "w128k64t32s6x2p"
+    assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
+    tactic = WgmmaTactic()
+    assert tactic.with_activations_from_l2() is tactic and tactic.family == "wgmma"
+
+
+def test_threads_and_shared_memory():
+    """One or two consumer warpgroups and one producer warp; the ring after a 1 KB barrier area."""
+    assert WgmmaTactic(block_n=64).threads == 160 and WgmmaTactic(block_n=256).threads == 288
+    assert WgmmaTactic(128, 64, 32, 6).smem_bytes() == 1024 + 6 * (128 + 32) * 64 * 2
+
+
+@pytest.mark.parametrize(
+    "tactic,n,k,xs,match",
+    [
+        (WgmmaTactic(), 100, K, K, "N=100 must be a multiple of 8"),
+        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be 64, 128 or 256"),
+        (WgmmaTactic(block_k=256), QKVG_TP8, K, K, "block_k=256 must be 64 or 128"),
+        (WgmmaTactic(block_k=128, stages=4), QKVG_TP8, 7104, 7104, "dividing K=7104"),
+        (WgmmaTactic(block_t=20), QKVG_TP8, K, K, "block_t=20 must be a multiple of 8"),
+        (WgmmaTactic(block_t=264), QKVG_TP8, K, K, "block_t=264"),
+        (WgmmaTactic(block_n=256, block_t=192, stages=2), QKVG_TP8, K, K, "192 accumulator registers"),
+        (WgmmaTactic(stages=1), QKVG_TP8, K, K, "stages=1"),
+        (WgmmaTactic(split_k=3), QKVG_TP8, K, K, "split_k=3 must divide the 112 K-tiles"),
+        (WgmmaTactic(128, 64, 256, 6), QKVG_TP8, K, K, "shared memory"),
+        (WgmmaTactic(), QKVG_TP8, K, 7172, "x row stride 7172"),
+    ],
+)
+def test_validate_reasons(tactic, n, k, xs, match):
+    reason = validate_wgmma_tactic(tactic, n, k, xs)
+    assert reason is not None and match in reason
+
+
+def test_partial_row_blocks_and_odd_token_tiles_are_valid():
+    """Rows past N and tokens past M are zero-filled by the TMA unit: any N % 8 == 0 and any multiple of 8 tokens."""
+    for n in (136, 144, 152, QKVG_TP8 + 8):
+        assert validate_wgmma_tactic(WgmmaTactic(64, 64, 24, 6), n, K, K) is None
+    assert validate_wgmma_tactic(WgmmaTactic(64, 64, 200, 4), QKVG_TP8, K, K) is None
+
+
+def test_block_t_covers_m():
+    assert [wgmma_block_t_for(m) for m in (1, 17, 24, 33, 100, 129, 256, 300)] == [8, 24, 24, 48, 128, 192, 256, 256]
+
+
+@pytest.mark.parametrize("n", [QKVG_TP8, QKVG_TP4, FAB, 136, 152])
+@pytest.mark.parametrize("m", M_VALUES)
+def test_candidates_are_valid_and_include_default(n, m):
+    candidates = wgmma_candidate_tactics(n, K, m, K)
+    default = default_wgmma_tactic(n, K, m)
+    assert validate_wgmma_tactic(default, n, K, K) is None and default in candidates
+    assert 0 < len(candidates) <= 24 and len(set(candidates)) == len(candidates)
+    for tactic in candidates:
+        assert validate_wgmma_tactic(tactic, n, K, K) is None
+        assert tactic.block_t >= min(m, MAX_TOKEN_TILE)
+        if tactic.split_k > 1:
+            assert wgmma_output_tiles(tactic, n, m) == output_tiles(tactic, n, m) <= 254
+
+
+def test_skinny_n_is_split_to_fill_the_sms():
+    """F_A/beta's three 64-row blocks alone would leave most SMs idle: the default splits K (less at large M, where
+    the fp32 partials would outweigh the weights)."""
+    assert default_wgmma_tactic(FAB, K, 32).split_k > 1
+    assert default_wgmma_tactic(FAB, K, 32).split_k >= default_wgmma_tactic(FAB, K, 256).split_k
+    assert default_wgmma_tactic(QKVG_TP4, K, 64).split_k == 1
+
+
+def test_side_chain_links_are_refused():
+    with pytest.raises(ValueError, match="side chain"):
+        WgmmaGemm(WgmmaTactic(), QKVG_TP8, K, K, K, Link(signals=True, x_ready=True))
+
+
+def test_compile_cache_covers_the_kernel_source():
+    from kda_backend.kernels import wgmma_gemm
+
+    assert wgmma_gemm.__file__ in compile_cache.KERNEL_SOURCES
+
+
+COMPILE_CASES = [
+    (WgmmaTactic(128, 64, 32, 8), QKVG_TP8),
+    (WgmmaTactic(128, 64, 64, 8), QKVG_TP8),
+    (WgmmaTactic(64, 64, 128, 8), QKVG_TP8),
+    (WgmmaTactic(128, 64, 256, 4), QKVG_TP8),
+    (WgmmaTactic(256, 64, 128, 4), QKVG_TP8),
+    (WgmmaTactic(64, 128, 24, 6), QKVG_TP8),
+    (WgmmaTactic(64, 64, 40, 8, split_k=2), QKVG_TP8),
+    (WgmmaTactic(128, 64, 64, 6), QKVG_TP4),
+    (WgmmaTactic(64, 64, 32, 6, split_k=14), FAB),
+    (WgmmaTactic(64, 64, 24, 6, split_k=7), 136),
+]
+
+
+@pytest.mark.parametrize("tactic,n", COMPILE_CASES, ids=lambda c: c.key() if isinstance(c, WgmmaTactic) else f"N{c}")
+def test_compiles_for_sm90a_on_cpu(tactic, n, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert validate_wgmma_tactic(tactic, n, K, K) is None
+    assert compile_gemm(KernelKey(tactic, n, K, K, K, "sm_90a")) is not None
+
+
+def _gpu_tactics(m):
+    """A covering tile with each row block size that fits it, and tiles smaller than M (grid y > 1)."""
+    block_t = wgmma_block_t_for(m)
+    tactics = [default_wgmma_tactic(QKVG_TP8, K, m), WgmmaTactic(128, 64, block_t, 4 if block_t > 128 else 6)]
+    if block_t <= 128:
+        tactics.append(WgmmaTactic(256, 64, block_t, 4))
+    tactics.append(WgmmaTactic(64, 64, 16, 8))
+    if m > 64:
+        tactics.append(WgmmaTactic(128, 64, 48, 6))
+    return tactics
+
+
+def _check(tactic, m, n, seed=0):
+    from kda_backend.providers.cute_provider import launch
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16, generator=generator)
+    w = torch.randn(n, K, device="cuda", dtype=torch.bfloat16, generator=generator) * K**-0.5
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    launch(tactic, x, w, out)
+    ref = x.float() @ w.float().t()
+    assert not out.isnan().any(), tactic.key()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2, tactic.key()
+    again = torch.full_like(out, float("nan"))
+    launch(tactic, x, w, again)
+    assert torch.equal(out, again), tactic.key()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", M_VALUES, ids=lambda m: f"M{m}")
+def test_qkvg_matches_reference(m):
+    for tactic in _gpu_tactics(m):
+        _check(tactic, m, QKVG_TP8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tactic,n",
+    [
+        (WgmmaTactic(64, 64, 32, 8, split_k=2), QKVG_TP8),
+        (WgmmaTactic(64, 64, 24, 6, split_k=14), FAB),
+        (WgmmaTactic(64, 64, 128, 6, split_k=7), 136),
+        (WgmmaTactic(256, 64, 64, 4), FAB),
+        (WgmmaTactic(128, 64, 64, 6), QKVG_TP4),
+    ],
+    ids=lambda c: c.key() if isinstance(c, WgmmaTactic) else f"N{c}",
+)
+@pytest.mark.parametrize("m", [17, 100, 256], ids=lambda m: f"M{m}")
+def test_split_k_and_partial_row_blocks_match_reference(tactic, n, m):
+    """Split-K sums its partials in a fixed order (bit-identical relaunches); rows past N (144 and 136 rows in 64- and
+    256-row blocks) are zero-filled and never stored."""
+    _check(tactic, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 32, 8, split_k=2)],
+                         ids=lambda t: t.key())
+def test_graph_replay_equals_eager(tactic):
+    """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""
+    from kda_backend.providers.cute_provider import launch
+
+    m, n = 100, QKVG_TP8
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    launch(tactic, x, w, out)  # compiled (and split-K counters reserved) before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(tactic, x, w, out)
+    for seed in (1, 2):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(m, K, device="cuda", dtype=torch.bfloat16, generator=generator))
+        w.copy_(torch.randn(n, K, device="cuda", dtype=torch.bfloat16, generator=generator) * K**-0.5)
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = torch.full_like(out, float("nan"))
+        launch(tactic, x, w, eager)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        ref = x.float() @ w.float().t()
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
