@@ -10,7 +10,8 @@ with rotated weights, see :mod:`kda_backend.timing`):
 - ``qkvg_cublas`` / ``qkvg_cute`` / ``fab_cute`` / ``fb_cute``: single GEMMs alone, for the kernel report (which
   also names the CuTe tactics, so a run records what the tuner chose).
 
-The floor is weight bytes / copy bandwidth measured in the same run. By default every batch size either engine
+The floor at each M is the longer of weight bytes / copy bandwidth and the stage's FLOPs / the dense bf16 rate of a
+large square ``torch.mm``, both measured in the same run. By default every batch size either engine
 captures in CUDA graphs is measured (:mod:`kda_backend.batch_sizes`).
 """
 
@@ -33,7 +34,13 @@ from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.cute_provider import launch
-from kda_backend.timing import copy_bandwidth, eager_time_per_call, graph_time_per_layer, require_cuda
+from kda_backend.timing import (
+    copy_bandwidth,
+    dense_bf16_rate,
+    eager_time_per_call,
+    graph_time_per_layer,
+    require_cuda,
+)
 from kda_backend.weights import ProjectionWeights
 
 # Every batch size either engine captures by default, up to the largest M plans are tuned for.
@@ -42,7 +49,7 @@ DEFAULT_MS = engine_batch_sizes("all")
 KERNEL_MS = (*range(1, 17), 24, 32, 48, 64)
 # M at which eager calls (no graph: an engine's eager mode) are timed too.
 EAGER_MS = tuple(range(1, 17))
-LAYER_MS = (1, 4, 16)
+LAYER_MS = (1, 4, 16, 64, 128)
 # The stage variants are timed in alternation, this many rounds, and each reports its median, so the ratios compare
 # columns measured under the same clocks. Where ours runs the very same path as a baseline (sequential packed
 # cuBLAS at M >= 128), one round apiece measured ratios from 0.94 to 1.02 between runs.
@@ -123,14 +130,16 @@ def run_bench(
     """Measure every variant for every M; returns JSON-compatible results (times in microseconds)."""
     device = require_cuda()
     bandwidth = copy_bandwidth()
+    flop_rate = dense_bf16_rate()
     weights = make_weight_copies(geometry, device)
     plan = resolve_plan(geometry, device, batch_sizes=ms)
-    floor_us = geometry.weight_bytes() / bandwidth * 1e6
+    hbm_floor_us = geometry.weight_bytes() / bandwidth * 1e6
     qkvg_floor_us = geometry.qkvg_rows * geometry.hidden_size * 2 / bandwidth * 1e6
     capability = torch.cuda.get_device_capability(device)
     split = [ProjectionWeights.from_split(w.w_qkvg, w.w_fab, w.w_fb, w.geometry) for w in weights]
     rows = []
     for m in ms:
+        floor_us = max(hbm_floor_us, geometry.stage_flops(m) / flop_rate * 1e6)
         row: dict[str, Any] = {"m": m, "floor": floor_us, "qkvg_floor": qkvg_floor_us, "plan": plan.step(m).to_json()}
         variants = {
             "seq_cublas": (SEQUENTIAL_TORCH, weights),
@@ -179,6 +188,8 @@ def run_bench(
         "torch": torch.__version__,
         "geometry": geometry.describe(),
         "copy_bandwidth_tbs": bandwidth / 1e12,
+        "dense_bf16_tflops": flop_rate / 1e12,
+        "hbm_floor_us": hbm_floor_us,
         "weight_bytes": geometry.weight_bytes(),
         "plan_source": plan.source,
         "plan": plan.describe(),
@@ -191,7 +202,8 @@ def render_table(results: dict[str, Any]) -> str:
     """The stage table (times in us, ratios) and the kernel table."""
     lines = [
         f"{results['device']}  copy bandwidth {results['copy_bandwidth_tbs']:.3f} TB/s  "
-        f"floor {results['rows'][0]['floor']:.2f} us  plan: {results['plan_source']}",
+        f"dense bf16 {results.get('dense_bf16_tflops', float('nan')):.0f} TFLOP/s  "
+        f"HBM floor {results.get('hbm_floor_us', results['rows'][0]['floor']):.2f} us  plan: {results['plan_source']}",
         f"{'M':>4} {'seq_cuBLAS':>10} {'peers':>8} {'vllm':>8} {'sglang':>8} {'ours':>8} {'floor':>7} "
         f"{'ours/floor':>10} {'seq/ours':>8} {'ours/native':>11}  plan",
     ]
@@ -267,7 +279,8 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
         points = [(r["m"], r[key]) for r in rows if key in r]
         if points:
             ax.plot(*zip(*points), marker="o", label=label)
-    ax.axhline(rows[0]["floor"], color="k", linestyle="--", label="HBM floor (weights / copy BW)")
+    ax.plot([r["m"] for r in rows], [r["floor"] for r in rows], color="k", linestyle="--",
+            label="floor (weights / copy BW, or FLOPs / dense rate)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("M (tokens per step)")
     ax.set_ylabel("us per layer")

@@ -93,6 +93,10 @@ class KDAGeometry:
         n_elems = self.packed_rows * self.hidden_size + self.local_width * self.head_dim
         return n_elems * element_size
 
+    def stage_flops(self, m: int) -> int:
+        """Floating-point operations of one rank's projection stage at ``m`` tokens (QKVG, F_A/beta and F_B)."""
+        return 2 * m * (self.packed_rows * self.hidden_size + self.local_width * self.head_dim)
+
     def describe(self) -> dict[str, object]:
         """Per-rank shapes as plain data (for the CLI, plans and logs)."""
         return {

@@ -2,7 +2,8 @@
 
 Weights rotate over ``copies`` sets (>= 6 for Kimi-K3: 6 x 90 MB exceeds L2 many times over), so every layer
 reads its weights from HBM as the 69 real layers do. Results are per layer. The copy bandwidth measured in the
-same process gives the HBM floor (weight bytes / bandwidth) that ratios are reported against.
+same process gives the HBM floor (weight bytes / bandwidth) that ratios are reported against; at large M the floor is
+the stage's tensor-core time where that is longer (FLOPs / the dense bf16 rate measured in the same process).
 """
 
 from __future__ import annotations
@@ -38,6 +39,27 @@ def copy_bandwidth(nbytes: int = 4 * 1024**3, reps: int = 10) -> float:
     moved = 2 * src.numel() * src.element_size()
     del src, dst
     return moved / statistics.median(times)
+
+
+def dense_bf16_rate(size: int = 8192, reps: int = 10) -> float:
+    """FLOP/s ``torch.mm`` reaches on a large square bf16 GEMM: the compute side of the floor (a stage at large M
+    may be bound by tensor-core time rather than by its weight bytes)."""
+    device = require_cuda()
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    for _ in range(3):
+        torch.mm(a, b, out=out)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        torch.mm(a, b, out=out)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b, out
+    return 2 * size**3 / statistics.median(times)
 
 
 _warmup_streams: dict[torch.device, torch.cuda.Stream] = {}
