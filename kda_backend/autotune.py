@@ -3,9 +3,10 @@
 Two levels, both timed inside CUDA graphs of many layers whose weights rotate over several copies (so nothing
 is served from L2) - see :mod:`kda_backend.timing`:
 
-1. CuTe tactics, per role and tactic bucket (:func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`), timed at a
+1. CuTe tactics, per role and tactic bucket (:func:`~kda_backend.kernels.tactics.tactic_bucket`), timed at a
    few M of the bucket and chosen by their worst slowdown at any of them (:func:`most_robust`): the side chain's
-   kernels alone, then QKVG and the side chain's again inside the overlapped stage (see :func:`tune_tactics`).
+   kernels alone, then QKVG (both kernel families where the device runs ``wgmma``) and the side chain's again
+   inside the overlapped stage (see :func:`tune_tactics`).
 2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
    candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path.
 
@@ -14,6 +15,7 @@ Tuning compiles kernels and captures graphs, so it runs before the engine captur
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 from collections.abc import Callable, Hashable, Iterable
@@ -24,19 +26,21 @@ from kda_backend import dispatch
 from kda_backend.batch_sizes import engine_batch_sizes
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
-from kda_backend.kernels.skinny_gemm import (
+from kda_backend.kernels.skinny_gemm import Tactic, candidate_tactics, default_tactic, output_tiles
+from kda_backend.kernels.tactics import (
     SINGLE_TOKEN_BUCKET,
-    Tactic,
-    candidate_tactics,
-    default_tactic,
-    output_tiles,
+    SKINNY_MAX_M,
+    AnyTactic,
+    for_m,
+    max_m,
     tactic_bucket,
+    wgmma_serves,
 )
+from kda_backend.kernels.wgmma_gemm import default_wgmma_tactic, wgmma_candidate_tactics
 from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step, TacticTable
 from kda_backend.plugins import hooks
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.base import ROLES
-from kda_backend.providers.cute_provider import MAX_M as CUTE_MAX_M
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
@@ -46,7 +50,10 @@ LAYERS = 24
 # Every batch size either engine captures by default (a plan answers between them by the next larger tuned M).
 DEFAULT_MS = engine_batch_sizes("all")
 # Representative M per tactic bucket (see skinny_gemm.tactic_bucket) for tactic tuning.
-BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 64)}
+BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 64), 128: (96, 128), 256: (192, 256)}
+# wgmma QKVG candidates timed alone per bucket, and how many of them go on to the overlapped stage.
+WGMMA_CANDIDATES = 5
+WGMMA_FINALISTS = 2
 FINALISTS = 4  # in-stage candidates timed again
 RETIMING_ROUNDS = 2
 
@@ -73,7 +80,7 @@ def _role_shapes(g: KDAGeometry) -> dict[str, tuple[int, int, int]]:
 OVERLAP_CUTE = Step(overlap=True, qkvg="cute", fab="cute", fb="cute")
 
 
-def time_tactic(weights: list[ProjectionWeights], role: str, tactic: Tactic, m: int) -> float:
+def time_tactic(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, m: int) -> float:
     """Seconds per layer of ``role``'s GEMM alone with one CuTe tactic at ``m`` tokens, its activations with the
     real row stride (F_B reads f_a inside the wider F_A/beta output)."""
     n, k, x_row_stride = _role_shapes(weights[0].geometry)[role]
@@ -81,6 +88,7 @@ def time_tactic(weights: list[ProjectionWeights], role: str, tactic: Tactic, m: 
     x_views = [torch.randn(m, x_row_stride, device=device, dtype=torch.bfloat16)[:, :k] for _ in range(c)]
     outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(c)]
     w_role = [{"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}[role] for w in weights]
+    tactic = for_m(tactic, m)  # the token tile a wgmma tactic runs m with
     return graph_time_per_layer(lambda i: launch(tactic, x_views[i % c], w_role[i % c], outs[i % c]), layers=LAYERS)
 
 
@@ -108,9 +116,11 @@ def tune_tactics(
     """
     table: TacticTable = {}
     shapes = _role_shapes(geometry)
+    capability = device_capability(weights[0].device)
+    skinny = [b for b in buckets if b <= SKINNY_MAX_M]  # the side chain's kernels serve up to 64 tokens
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
-        for bucket in buckets:
+        for bucket in skinny:
             ms = BUCKET_MS[bucket]
             cands = _shortlist(candidate_tactics(n, k, ms[-1], xs), default_tactic(n, k, ms[-1]), max_candidates)
             times = {tactic: [time_tactic(weights, role, tactic, m) for m in ms] for tactic in cands}
@@ -119,19 +129,25 @@ def tune_tactics(
             progress(f"tactic {role} t{bucket}: {best.key()} ({_label_times(ms, times[best])} alone)")
     budget, (q_n, q_k, q_xs), (f_n, f_k, f_xs) = SmBudget.of(weights[0].device), shapes["qkvg"], shapes["fab"]
     for bucket in buckets:
-        top = BUCKET_MS[bucket][-1]
+        ms, top = BUCKET_MS[bucket], BUCKET_MS[bucket][-1]
         qkvg_key, fab_key = ("qkvg", q_n, q_k, bucket), ("fab", f_n, f_k, bucket)
+        wgmma = []
+        if wgmma_serves("qkvg", capability) and bucket >= WGMMA_MIN_BUCKET:
+            wgmma = _wgmma_finalists(weights, q_n, q_k, q_xs, bucket, progress)
+        if bucket > SKINNY_MAX_M:  # no CuTe side chain here: the fastest QKVG alone
+            table[qkvg_key] = wgmma[0]
+            continue
         pairs = []
         q_cands, q_default = candidate_tactics(q_n, q_k, top, q_xs), default_tactic(q_n, q_k, top)
         shortlist = _shortlist(q_cands, q_default, max_candidates)
-        for qkvg in shortlist + [c for c in _other_row_blocks(q_cands, q_default) if c not in shortlist]:
+        for qkvg in shortlist + [c for c in _other_row_blocks(q_cands, q_default) if c not in shortlist] + wgmma:
             spare = spare_slot_tactics(f_n, f_k, top, f_xs, qkvg, output_tiles(qkvg, q_n, top) * qkvg.split_k, budget)
             partners = [table[fab_key]] + [t for t in [spare_slot_partner(spare)] if t not in (None, table[fab_key])]
             pairs += [{qkvg_key: qkvg, fab_key: fab} for fab in partners]
         table.update(_best_in_stage(weights, bucket, table, pairs, progress))
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
-        for bucket in buckets:
+        for bucket in skinny:
             top = BUCKET_MS[bucket][-1]
             cands = _neighbours(table[(role, n, k, bucket)], candidate_tactics(n, k, top, xs))
             main = table[("qkvg", q_n, q_k, bucket)]
@@ -140,6 +156,46 @@ def tune_tactics(
             key = (role, n, k, bucket)
             table.update(_best_in_stage(weights, bucket, table, [{key: c} for c in cands], progress))
     return table
+
+
+# The smallest bucket whose QKVG candidates include the wgmma kernel: at 16 tokens and fewer mma.sync streams at
+# 96-99 % of copy bandwidth on H200.
+WGMMA_MIN_BUCKET = 32
+
+
+def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic]:
+    """The wgmma QKVG candidates timed alone: the default (64-row CTAs, the deepest one-CTA ring), the deepest
+    one-CTA rings of 128-row CTAs and of 128-element K-tiles, each with and without programmatic dependent launch
+    (measured on H200 with back-to-back launches of one kernel: 128-row CTAs were 22.4 us without it and 28.3 us
+    with it at M = 32, 64-row ones 24.5 us with it), at most :data:`WGMMA_CANDIDATES`."""
+    default = default_wgmma_tactic(n, k, m)
+    cands = wgmma_candidate_tactics(n, k, m, x_row_stride)
+
+    def deepest(block_n: int, block_k: int) -> list[AnyTactic]:
+        same = [c for c in cands if (c.block_n, c.block_k, c.split_k) == (block_n, block_k, 1)]
+        return [max(same, key=lambda c: c.stages)] if same else []
+
+    picks = [default, dataclasses.replace(default, pdl=False)]
+    for tactic in deepest(128, 64):
+        picks += [dataclasses.replace(tactic, pdl=False), tactic]
+    picks += deepest(64, 128)
+    return list(dict.fromkeys(picks))[:WGMMA_CANDIDATES]
+
+
+def _wgmma_finalists(weights, n: int, k: int, xs: int, bucket: int, progress: Callable[[str], None]) -> list:
+    """The :data:`WGMMA_FINALISTS` fastest wgmma QKVG tactics alone over the bucket's M, fastest first."""
+    ms = BUCKET_MS[bucket]
+    shortlist = wgmma_shortlist(n, k, ms[-1], xs)
+    times = {tactic: [time_tactic(weights, "qkvg", tactic, m) for m in ms] for tactic in shortlist}
+    slowdown = worst_slowdowns(times)
+    ranked = sorted(times, key=lambda tactic: slowdown[tactic])
+    timed = "; ".join(f"{t.key()} {_label_times(ms, times[t])}" for t in ranked)
+    progress(f"tactic qkvg t{bucket} wgmma: {timed}")
+    return ranked[:WGMMA_FINALISTS]
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def spare_slot_partner(spare: list[Tactic]) -> Tactic | None:
@@ -314,7 +370,8 @@ def autotune(
         raise RuntimeError("autotune cannot run inside a CUDA-graph capture")
     ms = sorted(set(ms))
     weights = make_weight_copies(geometry, device)
-    buckets = sorted({tactic_bucket(m) for m in ms if m <= CUTE_MAX_M})
+    top = max_m("qkvg", device_capability(device))
+    buckets = sorted({tactic_bucket(m) for m in ms if m <= top})
     tactics = tune_tactics(geometry, weights, buckets, progress=progress)
     plan, _ = tune_plan(weights, ms, progress=progress, tactics=tactics)
     return plan

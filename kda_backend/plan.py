@@ -24,7 +24,9 @@ import re
 from collections.abc import Collection
 from typing import Any
 
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, tactic_bucket, validate_tactic
+from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.kernels.tactics import BUCKETS, SINGLE_TOKEN_BUCKET, AnyTactic, tactic_bucket, validate_any
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.providers.base import ROLES
 
 AUTO = "auto"
@@ -32,11 +34,15 @@ STEP_FIELDS = ("overlap", *ROLES)
 PLAN_FIELDS = ("source", "fallback", "steps")
 _M_KEY = re.compile(r"[1-9][0-9]*")
 TACTIC_ROW_FIELDS = ("role", "n", "k", "bucket", "tactic")
-# Field -> JSON type of a tactic, from the dataclass defaults (every field is an int or a bool).
-TACTIC_FIELDS = {f.name: type(f.default) for f in dataclasses.fields(Tactic)}
-BUCKETS = tuple(sorted({tactic_bucket(m) for m in range(1, 65)}))
-# (role, n, k, bucket) -> tactic; ``bucket`` is :func:`~kda_backend.kernels.skinny_gemm.tactic_bucket`.
-TacticTable = dict[tuple[str, int, int, int], Tactic]
+# A tactic's JSON object names its kernel family in this field ("mma": the skinny kernel's Tactic, the default).
+KERNEL_FIELD = "kernel"
+TACTIC_CLASSES = {"mma": Tactic, "wgmma": WgmmaTactic}
+# Family -> field -> JSON type, from the dataclass defaults (every field is an int or a bool).
+TACTIC_FIELDS = {
+    family: {f.name: type(f.default) for f in dataclasses.fields(cls)} for family, cls in TACTIC_CLASSES.items()
+}
+# (role, n, k, bucket) -> tactic; ``bucket`` is :func:`~kda_backend.kernels.tactics.tactic_bucket`.
+TacticTable = dict[tuple[str, int, int, int], AnyTactic]
 
 
 class PlanError(ValueError):
@@ -60,10 +66,16 @@ def require_object(where: str, data: Any, fields: Collection[str]) -> dict[str, 
     return data
 
 
+def tactic_to_json(tactic: AnyTactic) -> dict[str, Any]:
+    """The tactic's fields; a ``wgmma`` tactic also names its family."""
+    data = dataclasses.asdict(tactic)
+    return {KERNEL_FIELD: "wgmma", **data} if isinstance(tactic, WgmmaTactic) else data
+
+
 def tactics_to_json(tactics: TacticTable) -> list[dict[str, Any]]:
     return [
-        {"role": r, "n": n, "k": k, "bucket": bucket, "tactic": dataclasses.asdict(t)}
-        for (r, n, k, bucket), t in sorted(tactics.items())
+        {"role": r, "n": n, "k": k, "bucket": bucket, "tactic": tactic_to_json(t)}
+        for (r, n, k, bucket), t in sorted(tactics.items(), key=lambda item: item[0])
     ]
 
 
@@ -73,20 +85,26 @@ def _positive_int(where: str, value: Any) -> int:
     return value
 
 
-def tactic_from_json(data: Any, n: int, k: int, where: str = "tactic") -> Tactic:
-    """A tactic from its JSON object: integer and bool fields of :class:`Tactic` (missing ones take their
-    defaults), which :func:`~kda_backend.kernels.skinny_gemm.validate_tactic` accepts for an ``[n, k]`` weight.
+def tactic_from_json(data: Any, n: int, k: int, where: str = "tactic") -> AnyTactic:
+    """A tactic from its JSON object: ``kernel`` (``"mma"``, the default, or ``"wgmma"``), then integer and bool
+    fields of that family's tactic class (missing ones take their defaults), which the kernel accepts for an
+    ``[n, k]`` weight.
 
-    :raises PlanError: an unknown or ill-typed field, or a tactic the kernel cannot run.
+    :raises PlanError: an unknown family, an unknown or ill-typed field, or a tactic the kernel cannot run.
     """
-    data = require_object(where, data, TACTIC_FIELDS)
+    family = data.get(KERNEL_FIELD, "mma") if isinstance(data, dict) else "mma"
+    if family not in TACTIC_CLASSES:
+        raise PlanError(f"{where}.{KERNEL_FIELD}: {family!r}; accepted: {', '.join(map(repr, TACTIC_CLASSES))}")
+    fields = TACTIC_FIELDS[family]
+    data = dict(require_object(where, data, (KERNEL_FIELD, *fields)))
+    data.pop(KERNEL_FIELD, None)
     for field, value in data.items():
-        kind = TACTIC_FIELDS[field]
+        kind = fields[field]
         if type(value) is not kind:
             accepted = "true or false" if kind is bool else "an integer"
             raise PlanError(f"{where}.{field}: {value!r} is {json_type(value)}; accepted: {accepted}")
-    tactic = Tactic(**data)
-    reason = validate_tactic(tactic, n, k, k)
+    tactic = TACTIC_CLASSES[family](**data)
+    reason = validate_any(tactic, n, k, k)
     if reason is not None:
         raise PlanError(f"{where}: {reason}")
     return tactic
@@ -196,10 +214,10 @@ class Plan:
     def max_m(self) -> int:
         return max(self.steps, default=0)
 
-    def tactic_for(self, role: str, n: int, k: int, m: int) -> Tactic | None:
+    def tactic_for(self, role: str, n: int, k: int, m: int) -> AnyTactic | None:
         """The tuned tactic of ``role``'s ``[n, k]`` GEMM at ``m`` tokens: its bucket's, else (no single-token
-        tactic tuned) that of the token tile ``m`` runs with; ``None``: the kernel's default."""
-        for bucket in dict.fromkeys((tactic_bucket(m), block_t_for(m))):
+        tactic tuned) the 16-token bucket's; ``None``: the kernel's default."""
+        for bucket in (SINGLE_TOKEN_BUCKET, 16) if m == 1 else (tactic_bucket(m),):
             tuned = self.tactics.get((role, n, k, bucket))
             if tuned is not None:
                 return tuned

@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -20,10 +21,11 @@ from kda_backend.kernels.skinny_gemm import (
     candidate_tactics,
     default_tactic,
     output_tiles,
-    tactic_bucket,
     validate_link,
     validate_tactic,
 )
+from kda_backend.kernels.tactics import tactic_bucket
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.plan import Plan
 from kda_backend.providers.base import GemmCall
 from kda_backend.providers.cute_provider import CuteDslProvider
@@ -147,7 +149,10 @@ def _call(**kw):
         (dict(capability=(8, 0)), "compute capability (8, 0)"),
         (dict(capability=(12, 0)), "compute capability (12, 0)"),
         (dict(dtype=torch.float16), "not bfloat16"),
-        (dict(m=65), "M > 64"),
+        (dict(m=65, capability=(10, 0)), "M > 64"),  # the wgmma kernel serves Hopper only
+        (dict(m=257), "M > 256"),
+        (dict(role="fab", n=144, m=65), "M > 64"),  # and QKVG only
+        (dict(role="fab", n=144, m=32, tuned=WgmmaTactic()), "the wgmma kernel serves qkvg"),
         (dict(n=100), "N=100"),
         (dict(role="fb", n=1536, k=128, x_row_stride=140), "x row stride 140"),
     ],
@@ -642,3 +647,19 @@ def test_partial_row_block_predicates_weight_rows_only_where_needed(arch, tactic
     predicated, unpredicated = _weight_copies_after_a_branch(ptx[136])
     assert predicated == tactic.block_n * tactic.block_k // 8 // tactic.threads * tactic.stages and unpredicated == 0
     assert _weight_copies_after_a_branch(ptx[144]) == (1, predicated - 1)
+
+
+def test_wgmma_tactic_round_trips_and_runs_each_m_with_its_token_tile():
+    """A plan's wgmma tactic survives JSON, serves every M of its bucket with the token tile covering that M, and
+    an untuned QKVG call above 32 tokens gets the wgmma default on Hopper only."""
+    tuned = WgmmaTactic(128, 64, 128, 7, pdl=False)
+    plan = Plan(tactics={("qkvg", 6144, 7168, 128): tuned})
+    again = Plan.from_document(json.loads(json.dumps(plan.to_document())))
+    assert again.tactics == plan.tactics
+    provider = CuteDslProvider()
+    call = _call(m=96, tuned=again.tactic_for("qkvg", 6144, 7168, 96))
+    assert provider.tactic(call) == dataclasses.replace(tuned, block_t=96) and provider.why_not(call) is None
+    assert isinstance(provider.tactic(_call(m=48)), WgmmaTactic)
+    assert isinstance(provider.tactic(_call(m=32)), Tactic)
+    assert isinstance(provider.tactic(_call(m=48, capability=(10, 0))), Tactic)
+    assert isinstance(provider.tactic(_call(role="fab", n=144, m=48)), Tactic)

@@ -10,7 +10,8 @@ from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles, tactic_bucket
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles
+from kda_backend.kernels.tactics import tactic_bucket
 from kda_backend.plan import Plan
 from kda_backend.providers.base import GemmCall
 from kda_backend.providers.cute_provider import CuteDslProvider, launch, trailing_calls

@@ -15,6 +15,7 @@ from kda_backend.kernels.occupancy import (
     spare_slots,
 )
 from kda_backend.kernels.skinny_gemm import Tactic, validate_tactic
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 
 H200 = SmBudget(sms=132, smem_per_sm=228 * 1024)
 QKVG_TUNED = Tactic(16, 256, 16, 4)  # 64.5 KB: three per SM
@@ -133,3 +134,30 @@ def test_a_lucky_first_stage_timing_does_not_decide(monkeypatch):
     assert table[FAB_KEY] == WINNER
     # Timed at three M, then again as a finalist.
     assert staged.count((table[QKVG_KEY], lucky)) == 3 * (1 + autotune.RETIMING_ROUNDS)
+
+
+def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkeypatch):
+    """On SM 9.x the wgmma QKVG candidates are timed alone; above 64 tokens (no CuTe side chain) the fastest alone
+    is kept, at 32 tokens the finalists are timed in the overlapped stage beside F_A/beta with the mma.sync ones."""
+    staged = []
+
+    def time_step(weights, step, m, tactics):
+        staged.append(tactics.get(("qkvg", TP8.qkvg_rows, TP8.hidden_size, 32)))
+        return 0.5e-6 if isinstance(staged[-1], WgmmaTactic) and not staged[-1].pdl else 1e-6
+
+    def time_tactic(weights, role, tactic, m):
+        return 0.8e-6 if isinstance(tactic, WgmmaTactic) and tactic.block_n == 128 else 1e-6
+
+    monkeypatch.setattr(autotune, "time_tactic", time_tactic)
+    monkeypatch.setattr(autotune, "time_step", time_step)
+    monkeypatch.setattr(autotune, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
+    weights = [types.SimpleNamespace(geometry=TP8, device=torch.device("cpu"))]
+    table = autotune.tune_tactics(TP8, weights, [32, 128])
+    large = table[("qkvg", TP8.qkvg_rows, TP8.hidden_size, 128)]
+    assert isinstance(large, WgmmaTactic) and large.block_n == 128 and large.block_t == 128
+    assert ("fab", TP8.fab_rows, TP8.hidden_size, 128) not in table  # the side chain is not CuTe's above 64
+    in_stage = [t for t in staged if isinstance(t, WgmmaTactic)]
+    assert len(set(in_stage)) == autotune.WGMMA_FINALISTS and all(t.block_n == 128 for t in in_stage)
+    chosen = table[("qkvg", TP8.qkvg_rows, TP8.hidden_size, 32)]
+    assert isinstance(chosen, WgmmaTactic) and not chosen.pdl

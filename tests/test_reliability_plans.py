@@ -93,11 +93,13 @@ FILE_CASES = {
     "tactic-split-k-bool": (("tactics", 0, "tactic", "split_k"), True,
                             "tactics[0].tactic.split_k: True is a bool; accepted: an integer"),
     "tactic-unknown-field": (("tactics", 0, "tactic", "warps"), 4,
-                             "tactics[0].tactic: unknown fields ['warps']; accepted: block_n, block_k, block_t, "
-                             "stages, pdl, x_via_l1, split_k, x_tma, x_bulk"),
+                             "tactics[0].tactic: unknown fields ['warps']; accepted: kernel, block_n, block_k, "
+                             "block_t, stages, pdl, x_via_l1, split_k, x_tma, x_bulk"),
+    "tactic-unknown-kernel": (("tactics", 0, "tactic", "kernel"), "hmma",
+                              "tactics[0].tactic.kernel: 'hmma'; accepted: 'mma', 'wgmma'"),
     "tactic-two-paths": (("tactics", 0, "tactic", "x_tma"), True,
                          "tactics[0].tactic: x_tma, x_via_l1 and x_bulk exclude each other (one activation path)"),
-    "tactic-bucket": (("tactics", 0, "bucket"), 7, "tactics[0].bucket: 7; accepted: 1, 16, 32, 64"),
+    "tactic-bucket": (("tactics", 0, "bucket"), 7, "tactics[0].bucket: 7; accepted: 1, 16, 32, 64, 128, 256"),
     "tactic-role": (("tactics", 0, "role"), "qkv", "tactics[0].role: 'qkv'; accepted: qkvg, fab, fb"),
     "tactic-n-string": (("tactics", 0, "n"), "6144", "tactics[0].n: '6144' is a string; accepted: a positive integer"),
     "tactic-k-zero": (("tactics", 0, "k"), 0, "tactics[0].k: 0 is an integer; accepted: a positive integer"),

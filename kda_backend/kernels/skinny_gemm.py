@@ -89,7 +89,7 @@ class Tactic:
         with padded rows. Rows past M are never loaded (zero-filled once), unlike ``x_tma``'s zero-filled box.
         Measured on H200 for Kimi-K3 TP8 QKVG: 0.5 us faster alone than any other path at M = 1, but each further
         row costs about 0.9 us (one bulk copy per row and K-tile), so it is a candidate for a single token only
-        (:func:`tactic_bucket`).
+        (:func:`~kda_backend.kernels.tactics.tactic_bucket`).
     """
 
     block_n: int = 64
@@ -240,16 +240,6 @@ def output_tiles(tactic: Tactic, n: int, m: int) -> int:
 def block_t_for(m: int) -> int:
     """Smallest token tile covering ``m`` (larger M spreads over grid y in tiles of 64)."""
     return next((t for t in (16, 32, 64) if m <= t), 64)
-
-
-SINGLE_TOKEN_BUCKET = 1
-
-
-def tactic_bucket(m: int) -> int:
-    """Key of the tuned tactics serving ``m`` tokens: the token tile, except that a single token has its own
-    (activations by bulk copy win there and lose from two tokens on, see :attr:`Tactic.x_bulk`). A table without
-    the single-token bucket serves one token from the 16-token bucket."""
-    return SINGLE_TOKEN_BUCKET if m == 1 else block_t_for(m)
 
 
 # A skinny-N GEMM with fewer row blocks than this is split along K (its CTAs then fit beside QKVG's).

@@ -1,9 +1,10 @@
 """The CuTe DSL provider: the skinny swap-AB kernel of :mod:`kda_backend.kernels.skinny_gemm` for every role.
 
-Supported: CUDA devices of compute capability 9.x (Hopper) and 10.x (Blackwell), bf16, M up to ``MAX_M``, N a
-multiple of 8 (the last row block may be half a 16-row tile, e.g. SGLang's F_A/beta at TP16, 136 rows), K of 64,
-16-byte aligned rows. A call's tactic is the one its plan tuned (:attr:`~kda_backend.providers.base.GemmCall.tuned`),
-else the kernel's default.
+Two kernel families (:mod:`kda_backend.kernels.tactics`): the skinny ``mma.sync`` kernel of
+:mod:`kda_backend.kernels.skinny_gemm` for every role on SM 9.x (Hopper) and 10.x (Blackwell) up to 64 tokens, and
+the ``wgmma`` kernel of :mod:`kda_backend.kernels.wgmma_gemm` for QKVG on SM 9.x up to 256 tokens. bf16, N a multiple
+of 8 (the last row block may be partial, e.g. SGLang's F_A/beta at TP16, 136 rows), K of 64, 16-byte aligned rows.
+A call's tactic is the one its plan tuned (:attr:`~kda_backend.providers.base.GemmCall.tuned`), else the default.
 
 Launches are lean: :meth:`CuteDslProvider.launcher` resolves a call's tactic and compiled kernel once (with split-K
 also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and so is the side chain
@@ -24,19 +25,11 @@ import torch
 
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
-from kda_backend.kernels.skinny_gemm import (
-    ELEMS_PER_COPY,
-    NO_LINK,
-    Link,
-    Tactic,
-    default_tactic,
-    output_tiles,
-    validate_link,
-    validate_tactic,
-)
+from kda_backend.kernels.skinny_gemm import ELEMS_PER_COPY, NO_LINK, Link, Tactic, output_tiles, validate_link
+from kda_backend.kernels.tactics import AnyTactic, default_for, for_m, max_m, validate_any, why_not_for
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.providers.base import GemmCall, GemmProvider, Launcher, TrailingLauncher, cuda_bf16_reason
 
-MAX_M = 64
 SUPPORTED_MAJORS = (9, 10)
 SIGNALS = Link(signals=True, x_ready=True)  # F_A/beta trailing QKVG on its stream
 WAITS = Link(waits=True)  # F_B behind it
@@ -59,21 +52,27 @@ class CuteDslProvider(GemmProvider):
         """Where compiled kernels are kept on disk, or ``None`` (memory only)."""
         return None if self._cache_dir is None else self._cache_dir() / "kernels"
 
-    def tactic(self, call: GemmCall) -> Tactic:
-        """The plan's tactic for ``call`` (:meth:`~kda_backend.plan.Plan.tactic_for`), else the kernel's default."""
-        return call.tuned if isinstance(call.tuned, Tactic) else default_tactic(call.n, call.k, call.m)
+    def tactic(self, call: GemmCall) -> AnyTactic:
+        """The plan's tactic for ``call`` (:meth:`~kda_backend.plan.Plan.tactic_for`) as it runs ``call.m`` tokens,
+        else the default (:func:`~kda_backend.kernels.tactics.default_for`)."""
+        if isinstance(call.tuned, (Tactic, WgmmaTactic)):
+            return for_m(call.tuned, call.m)
+        return default_for(call.role, call.n, call.k, call.m, call.capability)
 
     def why_not(self, call: GemmCall) -> str | None:
         reason = cuda_bf16_reason(call, SUPPORTED_MAJORS)
         if reason is not None:
             return reason
-        if call.m > MAX_M:
-            return f"M > {MAX_M}"
+        if call.m > max_m(call.role, call.capability):
+            return f"M > {max_m(call.role, call.capability)}"
         if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("tvm_ffi") is None:
             return "nvidia-cutlass-dsl or apache-tvm-ffi is not installed"
-        if call.n % ELEMS_PER_COPY or call.k % 64:
-            return f"N={call.n} must be a multiple of {ELEMS_PER_COPY} and K={call.k} of 64"
-        return validate_tactic(self.tactic(call), call.n, call.k, call.x_row_stride)
+        if call.n % ELEMS_PER_COPY or call.k % 64 or call.w_row_stride % ELEMS_PER_COPY:
+            return (f"N={call.n} and the weight row stride {call.w_row_stride} must be multiples of "
+                    f"{ELEMS_PER_COPY}, K={call.k} of 64")
+        tactic = self.tactic(call)
+        return why_not_for(tactic, call.role, call.m, call.capability) or validate_any(
+            tactic, call.n, call.k, call.x_row_stride)
 
     def prepare(self, call: GemmCall) -> None:
         device = _current_device()
@@ -166,7 +165,7 @@ class CuteDslProvider(GemmProvider):
 
         return run
 
-    def _kernel(self, tactic: Tactic, call: GemmCall, device: torch.device, link: Link = NO_LINK) -> Any:
+    def _kernel(self, tactic: AnyTactic, call: GemmCall, device: torch.device, link: Link = NO_LINK) -> Any:
         key = kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device, link)
         return compiled_gemms.get(key, self.kernel_folder())
 
@@ -205,7 +204,8 @@ def _check_aligned(what: str, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def trailing_calls(
-    x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor, tuned: dict[str, Hashable] | None = None
+    x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor,
+    tuned: dict[str, Hashable] | None = None,
 ) -> dict[str, GemmCall]:
     """The ``fab`` and ``fb`` calls of a side chain over these operands (``tuned``: their tactics by role, else the
     defaults), for :meth:`CuteDslProvider.trailing_launcher`."""
@@ -222,13 +222,17 @@ def _calls(x: torch.Tensor, operands: dict[str, tuple[torch.Tensor, torch.Tensor
     }
 
 
-def _split_k_operands(tactic: Tactic, m: int, n: int, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_k_operands(
+    tactic: AnyTactic, m: int, n: int, stream: torch.cuda.Stream
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A split-K launch's fp32 workspace ``[split_k, M, N]`` and ``stream``'s arrival counters."""
     workspace = torch.empty(tactic.split_k, m, n, device=stream.device, dtype=torch.float32)
     return workspace, arrival_counters.for_stream(stream, output_tiles(tactic, n, m))
 
 
-def launch(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, folder: Path | None = None) -> None:
+def launch(
+    tactic: AnyTactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, folder: Path | None = None
+) -> None:
     """``out[M, N] = x @ w.T`` with one tactic on the current stream (autotuning, tools): the kernel compiled, or
     loaded from ``folder``, on first use (never inside a capture), a split-K workspace per call. Serving launches
     through :meth:`CuteDslProvider.launcher`."""

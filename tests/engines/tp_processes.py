@@ -240,7 +240,8 @@ def stored_plan(geometry, rank: int):
     """The plan rank ``rank`` keeps in its cache folder for ``geometry``: rank 0 overlaps at every parity M and
     carries CuTe tactics for its QKVG GEMM; every other rank has a sequential plan of its own (another source, other
     M, no tactics), so sharing is visible on every rank."""
-    from kda_backend.kernels.skinny_gemm import default_tactic, tactic_bucket
+    from kda_backend.kernels.skinny_gemm import default_tactic
+    from kda_backend.kernels.tactics import tactic_bucket
     from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 
     if rank == 0:

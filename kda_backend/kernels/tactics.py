@@ -1,0 +1,84 @@
+"""The CuTe provider's two kernel families behind one interface: which family serves a GEMM at an M, the token
+buckets plans tune tactics for, and validation of either family's tactic.
+
+- :class:`~kda_backend.kernels.skinny_gemm.Tactic`: the ``mma.sync`` kernel, every role, SM 9.x and 10.x, up to
+  :data:`SKINNY_MAX_M` tokens. At M <= 16 it streams QKVG at 96-99 % of copy bandwidth on H200.
+- :class:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic`: the warpgroup-MMA kernel, QKVG on SM 9.x, up to
+  :data:`WGMMA_MAX_M` tokens. Where M grows past a few tens of tokens the ``mma.sync`` kernel's register-fed MMAs
+  fall behind the weight stream (42 % of copy bandwidth at M = 64 on H200), which ``wgmma`` avoids.
+
+Tactics are tuned per bucket of M (:func:`tactic_bucket`); a ``wgmma`` tactic tuned for a bucket runs every M in it
+with the token tile covering that M (:func:`for_m`), since a smaller tile reads fewer activation bytes per K-tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kda_backend.kernels.skinny_gemm import Tactic, default_tactic, validate_tactic
+from kda_backend.kernels.wgmma_gemm import (
+    WgmmaTactic,
+    default_wgmma_tactic,
+    validate_wgmma_tactic,
+    wgmma_block_t_for,
+)
+
+AnyTactic = Tactic | WgmmaTactic
+SINGLE_TOKEN_BUCKET = 1
+BUCKETS = (SINGLE_TOKEN_BUCKET, 16, 32, 64, 128, 256)
+SKINNY_MAX_M = 64
+WGMMA_MAX_M = 256
+WGMMA_ROLES = ("qkvg",)  # F_A/beta and F_B are skinny: the split-K mma.sync kernel serves them beside QKVG
+WGMMA_MAJORS = (9,)
+# Above this M an untuned QKVG call on SM 9.x gets the wgmma kernel's default (measured on H200, Kimi-K3 TP8 QKVG
+# alone: at M = 32 both families stream at 85-89 % of copy bandwidth, at M = 64 mma.sync 42 % against wgmma 82 %).
+WGMMA_DEFAULT_ABOVE_M = 32
+
+
+def tactic_bucket(m: int) -> int:
+    """Key of the tuned tactics serving ``m`` tokens: the smallest of :data:`BUCKETS` covering ``m``, except that
+    a single token has its own (activations by bulk copy win there and lose from two tokens on, see
+    :attr:`Tactic.x_bulk`). A table without the single-token bucket serves one token from the 16-token bucket."""
+    return SINGLE_TOKEN_BUCKET if m == 1 else next((b for b in BUCKETS[1:] if m <= b), BUCKETS[-1])
+
+
+def wgmma_serves(role: str, capability: tuple[int, int] | None) -> bool:
+    """Whether the ``wgmma`` family can serve ``role`` on a device of ``capability``."""
+    return role in WGMMA_ROLES and capability is not None and capability[0] in WGMMA_MAJORS
+
+
+def max_m(role: str, capability: tuple[int, int] | None) -> int:
+    """The most tokens a CuTe kernel serves for ``role`` on ``capability``."""
+    return WGMMA_MAX_M if wgmma_serves(role, capability) else SKINNY_MAX_M
+
+
+def for_m(tactic: AnyTactic, m: int) -> AnyTactic:
+    """``tactic`` as it runs ``m`` tokens: a ``wgmma`` tactic with the token tile covering ``m``."""
+    if isinstance(tactic, WgmmaTactic):
+        block_t = wgmma_block_t_for(m)
+        return tactic if tactic.block_t == block_t else dataclasses.replace(tactic, block_t=block_t)
+    return tactic
+
+
+def default_for(role: str, n: int, k: int, m: int, capability: tuple[int, int] | None) -> AnyTactic:
+    """The tactic an untuned call runs: ``wgmma``'s default above :data:`WGMMA_DEFAULT_ABOVE_M` where it serves,
+    else the ``mma.sync`` kernel's."""
+    if m > WGMMA_DEFAULT_ABOVE_M and wgmma_serves(role, capability):
+        return default_wgmma_tactic(n, k, m)
+    return default_tactic(n, k, m)
+
+
+def validate_any(tactic: AnyTactic, n: int, k: int, x_row_stride: int) -> str | None:
+    """``None`` if ``tactic`` (either family) can run a GEMM with these static sizes, else why not."""
+    if isinstance(tactic, WgmmaTactic):
+        return validate_wgmma_tactic(tactic, n, k, x_row_stride)
+    return validate_tactic(tactic, n, k, x_row_stride)
+
+
+def why_not_for(tactic: AnyTactic, role: str, m: int, capability: tuple[int, int] | None) -> str | None:
+    """Why ``tactic``'s family cannot serve ``role`` at ``m`` tokens on ``capability``, or ``None``."""
+    if isinstance(tactic, WgmmaTactic):
+        if not wgmma_serves(role, capability):
+            return f"the wgmma kernel serves {', '.join(WGMMA_ROLES)} on SM {WGMMA_MAJORS}, not {role} on {capability}"
+        return f"M > {WGMMA_MAX_M}" if m > WGMMA_MAX_M else None
+    return f"M > {SKINNY_MAX_M}" if m > SKINNY_MAX_M else None
