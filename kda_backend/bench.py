@@ -46,7 +46,7 @@ from kda_backend.weights import ProjectionWeights
 # Every batch size either engine captures by default, up to the largest M plans are tuned for.
 DEFAULT_MS = engine_batch_sizes("all")
 # M at which the single GEMMs are also timed alone (the kernel table): the CuTe kernels' range.
-KERNEL_MS = (*range(1, 17), 24, 32, 48, 64)
+KERNEL_MS = (*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256)
 # M at which eager calls (no graph: an engine's eager mode) are timed too.
 EAGER_MS = tuple(range(1, 17))
 LAYER_MS = (1, 4, 16, 64, 128)

@@ -663,3 +663,15 @@ def test_wgmma_tactic_round_trips_and_runs_each_m_with_its_token_tile():
     assert isinstance(provider.tactic(_call(m=32)), Tactic)
     assert isinstance(provider.tactic(_call(m=48, capability=(10, 0))), Tactic)
     assert isinstance(provider.tactic(_call(role="fab", n=144, m=48)), Tactic)
+
+
+def test_no_trailing_side_chain_where_qkvg_and_fab_both_split_k():
+    """A trailing F_A/beta starts beside QKVG and counts its split-K tiles in on the stream's arrival counters: where
+    QKVG splits K too (the wgmma default for TP16's 3072 rows at 40 tokens) the side chain does not trail."""
+    provider = CuteDslProvider()
+    for tp, refused in ((16, True), (8, False)):
+        g = preset("kimi-k3", tp)
+        calls = {role: _call(role=role, m=40, n=n, k=k, x_row_stride=xs) for role, (n, k, xs) in _roles(tp).items()}
+        assert (provider.tactic(calls["qkvg"]).split_k > 1) == refused, g
+        reason = provider.why_not_trailing(calls)
+        assert (reason is not None and "both split K" in reason) if refused else reason is None

@@ -10,10 +10,11 @@ from kda_backend import KDAProjection, Plan, ProjectionWeights, Step
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.reference import KDALayerWeights, reference_projection
 
 pytestmark = pytest.mark.gpu
-MS = list(range(1, 17)) + [24, 32, 64]
+MS = list(range(1, 17)) + [24, 32, 40, 64]  # above 32 tokens QKVG's default is the wgmma kernel on Hopper
 
 
 def _weights(tp, packed, seed=0):
@@ -43,8 +44,9 @@ def test_cute_projection_matches_reference(tp, packed, overlap, monkeypatch):
         x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
         outs = proj(x, *projection_outputs(m, g, "cuda"))
         assert all(proj.provider(r, m).name == "cute" for r in ("qkvg", "fab", "fb"))
-        if overlap:
-            assert proj.stage(m).trailing.name == "cute"
+        if overlap:  # trailing QKVG on one stream, unless QKVG and F_A/beta both split K (see why_not_trailing)
+            both_split = all(proj.provider(r, m).tactic(proj.gemm_call(r, m)).split_k > 1 for r in ("qkvg", "fab"))
+            assert (proj.stage(m).trailing is None) == both_split
             assert not arrival_counters.chain_for_stream(torch.cuda.current_stream()).any()
         _assert_close_to_reference(outs, x, w)
         again = proj(x, *projection_outputs(m, g, "cuda"))
@@ -93,13 +95,42 @@ def test_graph_replay_equals_eager_bitwise_with_tuned_tactics(m):
     _check_replay_equals_eager(m, True, Step(overlap=True), TUNED_TP8)
 
 
+# wgmma QKVG tactics as the autotuner keeps them on H200: without PDL at 64 tokens, with it at 128.
+WGMMA_TP8 = {
+    ("qkvg", 6144, 7168, 64): WgmmaTactic(64, 64, 64, 12, pdl=False),
+    ("qkvg", 6144, 7168, 128): WgmmaTactic(64, 64, 128, 9),
+}
+CUTE_QKVG_TORCH_SIDE_CHAIN = Step(overlap=True, qkvg="cute", fab="torch", fb="torch")
+
+
+@pytest.mark.parametrize("m,step", [(40, Step(overlap=True)), (64, Step(overlap=True)),
+                                    (100, CUTE_QKVG_TORCH_SIDE_CHAIN)], ids=["M40", "M64", "M100-torch-side-chain"])
+def test_graph_replay_equals_eager_bitwise_with_wgmma_qkvg(m, step):
+    """The wgmma QKVG kernel (token tile 40, 64 and 100 from the 64- and 128-token buckets), beside the CuTe side
+    chain (trailing it on one stream in eager) or cuBLAS's."""
+    assert isinstance(Plan(tactics=WGMMA_TP8).tactic_for("qkvg", 6144, 7168, m), WgmmaTactic)
+    _check_replay_equals_eager(m, True, step, WGMMA_TP8)
+
+
+@pytest.mark.parametrize("tp", [4, 8], ids=lambda t: f"tp{t}")
+def test_wgmma_qkvg_matches_reference_up_to_256_tokens(tp):
+    w = _weights(tp, packed=False, seed=tp)
+    proj = KDAProjection(w, Plan.uniform(256, CUTE_QKVG_TORCH_SIDE_CHAIN))
+    g = w.geometry
+    for m in (33, 72, 129, 200, 256):
+        x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
+        outs = proj(x, *projection_outputs(m, g, "cuda"))
+        assert isinstance(proj.provider("qkvg", m).tactic(proj.gemm_call("qkvg", m)), WgmmaTactic)
+        _assert_close_to_reference(outs, x, w)
+
+
 def _check_replay_equals_eager(m, packed, step, tactics=None):
     weights = _layers(3, packed)
-    plan = dataclasses.replace(Plan.uniform(64, step), tactics=tactics or {})
+    plan = dataclasses.replace(Plan.uniform(256, step), tactics=tactics or {})
     projs = [KDAProjection(w, plan) for w in weights]
     for p in projs:
         p.prepare([m])
-        if step.overlap:  # eager cannot fork: the side chain trails QKVG on one stream instead
+        if step.overlap and step.fab != "torch":  # eager cannot fork: the side chain trails QKVG on one stream
             assert p.stage(m).trailing is not None
     g = weights[0].geometry
     x_static = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)

@@ -125,6 +125,10 @@ class CuteDslProvider(GemmProvider):
             if reason is not None:
                 return f"{call.role}: {reason}"
         fab, fb = self.trailing_tactics(calls)
+        if self.tactic(calls["qkvg"]).split_k > 1 and fab.split_k > 1:
+            # F_A/beta starts beside QKVG without waiting for it (x_ready) and counts its tiles in on the stream's
+            # split-K arrival counters, which a split-K QKVG is still using.
+            return "qkvg and fab both split K: they would share the stream's arrival counters at once"
         return validate_link(SIGNALS, fab) or validate_link(WAITS, fb)
 
     def trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
