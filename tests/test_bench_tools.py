@@ -10,7 +10,7 @@ import pytest
 import torch
 
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
-TOOLS = ["kernel_sweep", "qkvg_tactics", "side_chain", "stage_timeline"]
+TOOLS = ["eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_timeline"]
 
 
 @pytest.fixture
@@ -43,6 +43,7 @@ def test_help_as_a_script(name):
 @pytest.mark.parametrize(
     ("name", "argv"),
     [
+        ("eager_host_profile", ["1,16"]),
         ("kernel_sweep", ["--skip-check"]),
         ("qkvg_tactics", ["1,16", "n48k256s4p"]),
         ("side_chain", ["1,16", "split"]),
