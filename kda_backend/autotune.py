@@ -49,7 +49,7 @@ COPIES = 6
 LAYERS = 24
 # Every batch size either engine captures by default (a plan answers between them by the next larger tuned M).
 DEFAULT_MS = engine_batch_sizes("all")
-# Representative M per tactic bucket (see skinny_gemm.tactic_bucket) for tactic tuning.
+# Representative M per tactic bucket (see kernels.tactics.tactic_bucket) for tactic tuning.
 BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 64), 128: (96, 128), 256: (192, 256)}
 # wgmma QKVG candidates timed alone per bucket, and how many of them go on to the overlapped stage.
 WGMMA_CANDIDATES = 5
@@ -129,7 +129,7 @@ def tune_tactics(
             progress(f"tactic {role} t{bucket}: {best.key()} ({_label_times(ms, times[best])} alone)")
     budget, (q_n, q_k, q_xs), (f_n, f_k, f_xs) = SmBudget.of(weights[0].device), shapes["qkvg"], shapes["fab"]
     for bucket in buckets:
-        ms, top = BUCKET_MS[bucket], BUCKET_MS[bucket][-1]
+        top = BUCKET_MS[bucket][-1]
         qkvg_key, fab_key = ("qkvg", q_n, q_k, bucket), ("fab", f_n, f_k, bucket)
         wgmma = []
         if wgmma_serves("qkvg", capability) and bucket >= WGMMA_MIN_BUCKET:

@@ -93,7 +93,7 @@ def tactic_from_json(data: Any, n: int, k: int, where: str = "tactic") -> AnyTac
     :raises PlanError: an unknown family, an unknown or ill-typed field, or a tactic the kernel cannot run.
     """
     family = data.get(KERNEL_FIELD, "mma") if isinstance(data, dict) else "mma"
-    if family not in TACTIC_CLASSES:
+    if not isinstance(family, str) or family not in TACTIC_CLASSES:
         raise PlanError(f"{where}.{KERNEL_FIELD}: {family!r}; accepted: {', '.join(map(repr, TACTIC_CLASSES))}")
     fields = TACTIC_FIELDS[family]
     data = dict(require_object(where, data, (KERNEL_FIELD, *fields)))

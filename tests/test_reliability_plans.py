@@ -97,6 +97,8 @@ FILE_CASES = {
                              "block_t, stages, pdl, x_via_l1, split_k, x_tma, x_bulk"),
     "tactic-unknown-kernel": (("tactics", 0, "tactic", "kernel"), "hmma",
                               "tactics[0].tactic.kernel: 'hmma'; accepted: 'mma', 'wgmma'"),
+    "tactic-kernel-list": (("tactics", 0, "tactic", "kernel"), ["wgmma"],
+                           "tactics[0].tactic.kernel: ['wgmma']; accepted: 'mma', 'wgmma'"),
     "tactic-two-paths": (("tactics", 0, "tactic", "x_tma"), True,
                          "tactics[0].tactic: x_tma, x_via_l1 and x_bulk exclude each other (one activation path)"),
     "tactic-bucket": (("tactics", 0, "bucket"), 7, "tactics[0].bucket: 7; accepted: 1, 16, 32, 64, 128, 256"),
