@@ -201,3 +201,25 @@ def test_graph_replay_equals_eager(tactic):
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
         assert_close(out, x.float() @ w.float().t(), tactic.key())
+
+
+def test_entry_point_refuses_missing_and_stray_operands_at_compile(monkeypatch):
+    """Split-K operands are required where the tactic splits; chain operands (no side-chain role) are refused."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    m = cute.sym_int32(symbol="M")
+    x = make_fake_tensor(cutlass.BFloat16, (m, K), (K, 1), assumed_align=16)
+    w = make_fake_tensor(cutlass.BFloat16, (QKVG_TP8, K), (K, 1), assumed_align=16)
+    out = make_fake_tensor(cutlass.BFloat16, (m, QKVG_TP8), (QKVG_TP8, 1), assumed_align=16)
+    chain = make_fake_tensor(cutlass.Int32, (2,), (1,), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi --gpu-arch sm_90a"
+    split = WgmmaGemm(WgmmaTactic(64, 64, 32, 6, split_k=2), QKVG_TP8, K, K, K)
+    with pytest.raises(ValueError, match="m_work, m_arrivals required by tactic w64k64t32s6x2p"):
+        cute.compile(split, x, w, out, None, None, None, None, stream, options=options)
+    plain = WgmmaGemm(WgmmaTactic(64, 64, 32, 6), QKVG_TP8, K, K, K)
+    with pytest.raises(ValueError, match="m_chain not used by tactic w64k64t32s6p: pass None"):
+        cute.compile(plain, x, w, out, None, None, chain, None, stream, options=options)

@@ -231,6 +231,13 @@ def validate_link(link: Link, tactic: Tactic) -> str | None:
     return None
 
 
+def check_optional_operands(what: str, used: dict[str, bool], operands: dict[str, object]) -> None:
+    """At compile time: each optional operand of a kernel call is given where ``used`` says its role is."""
+    missing = [name for name, value in operands.items() if used[name] and value is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} required by {what}")
+
+
 def output_tiles(tactic: Tactic, n: int, m: int) -> int:
     """Output tiles of one launch over ``n`` weight rows and ``m`` tokens (each split-K CTA works on one of them):
     what split-K counts per tile and what a waiting launch counts in."""
@@ -338,9 +345,7 @@ class SkinnyGemm:
         t, link = self.tactic, self.link
         used = {"m_work": t.split_k > 1, "m_arrivals": t.split_k > 1, "m_chain": link.signals or link.waits,
                 "expected": link.waits}
-        missing = [name for name, value in operands.items() if used[name] and value is None]
-        if missing:
-            raise ValueError(f"{', '.join(missing)} required by tactic {t.key()} with {link}")
+        check_optional_operands(f"tactic {t.key()} with {link}", used, operands)
 
     @cute.jit
     def __call__(

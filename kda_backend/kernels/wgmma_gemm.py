@@ -54,6 +54,7 @@ from kda_backend.kernels.skinny_gemm import (
     NO_LINK,
     SPLIT_K_FLAG_BYTES,
     Link,
+    check_optional_operands,
     output_tiles,
     row_blocks,
 )
@@ -242,12 +243,11 @@ class WgmmaGemm:
         self.x_row_stride, self.w_row_stride = x_row_stride, w_row_stride
 
     def _check_roles(self, **operands) -> None:
-        """At compile time: the split-K operands are given exactly where the tactic splits, and no chain operands."""
+        """At compile time: the split-K operands are given exactly where the tactic splits, and no chain operands
+        (a ``None`` compiles as a constant, so a stray operand would be ignored silently)."""
         t = self.tactic
         used = {"m_work": t.split_k > 1, "m_arrivals": t.split_k > 1, "m_chain": False, "expected": False}
-        missing = [name for name, value in operands.items() if used[name] and value is None]
-        if missing:
-            raise ValueError(f"{', '.join(missing)} required by tactic {t.key()}")
+        check_optional_operands(f"tactic {t.key()}", used, operands)
         unused = [name for name, value in operands.items() if not used[name] and value is not None]
         if unused:
             raise ValueError(f"{', '.join(unused)} not used by tactic {t.key()}: pass None")
