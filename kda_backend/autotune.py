@@ -293,9 +293,12 @@ def _other_row_blocks(cands: list[Tactic], default: Tactic) -> list[Tactic]:
     ]
 
 
-def usable_providers(weights: ProjectionWeights, m: int) -> dict[str, tuple[str, ...]]:
-    """Per role, the names of the providers that can serve this device's GEMM at ``m`` tokens, best first."""
-    projection = KDAProjection(weights)
+def usable_providers(
+    weights: ProjectionWeights, m: int, tactics: TacticTable | None = None
+) -> dict[str, tuple[str, ...]]:
+    """Per role, the names of the providers that can serve this device's GEMM at ``m`` tokens with the CuTe
+    ``tactics`` (some kernels serve an M only with a tactic tuned for it), best first."""
+    projection = KDAProjection(weights, Plan(tactics=tactics or {}))
     usable = {}
     for role in ROLES:
         call = projection.gemm_call(role, m)
@@ -340,7 +343,7 @@ def tune_plan(
     timings: dict[int, dict[str, float]] = {}
     for m in ms:
         results = []
-        for step in step_candidates(m, usable_providers(weights[0], m)):
+        for step in step_candidates(m, usable_providers(weights[0], m, tactics)):
             try:
                 results.append((time_step(weights, step, m, tactics), step))
             except Exception as exc:  # a candidate that cannot run is not a plan; report it and go on

@@ -659,7 +659,9 @@ def test_wgmma_tactic_round_trips_and_runs_each_m_with_its_token_tile():
     provider = CuteDslProvider()
     call = _call(m=96, tuned=again.tactic_for("qkvg", 6144, 7168, 96))
     assert provider.tactic(call) == dataclasses.replace(tuned, block_t=96) and provider.why_not(call) is None
-    assert isinstance(provider.tactic(_call(m=48)), WgmmaTactic)
+    assert isinstance(provider.tactic(_call(m=48)), WgmmaTactic) and provider.why_not(_call(m=48)) is None
+    # Above 64 tokens only a tuned wgmma tactic serves (its default was slower than cuBLAS there on H200).
+    assert "M > 64 without a tuned wgmma tactic" in provider.why_not(_call(m=96))
     assert isinstance(provider.tactic(_call(m=32)), Tactic)
     assert isinstance(provider.tactic(_call(m=48, capability=(10, 0))), Tactic)
     assert isinstance(provider.tactic(_call(role="fab", n=144, m=48)), Tactic)

@@ -10,7 +10,7 @@ from kda_backend import KDAProjection, Plan, ProjectionWeights, Step
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.skinny_gemm import Tactic
-from kda_backend.kernels.wgmma_gemm import WgmmaTactic
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic, default_wgmma_tactic
 from kda_backend.reference import KDALayerWeights, reference_projection
 
 pytestmark = pytest.mark.gpu
@@ -114,9 +114,12 @@ def test_graph_replay_equals_eager_bitwise_with_wgmma_qkvg(m, step):
 
 @pytest.mark.parametrize("tp", [4, 8], ids=lambda t: f"tp{t}")
 def test_wgmma_qkvg_matches_reference_up_to_256_tokens(tp):
+    """Above 64 tokens the wgmma kernel serves tactics a plan tuned (here its defaults, as tuned)."""
     w = _weights(tp, packed=False, seed=tp)
-    proj = KDAProjection(w, Plan.uniform(256, CUTE_QKVG_TORCH_SIDE_CHAIN))
     g = w.geometry
+    tactics = {("qkvg", g.qkvg_rows, g.hidden_size, b): default_wgmma_tactic(g.qkvg_rows, g.hidden_size, b)
+               for b in (64, 128, 256)}
+    proj = KDAProjection(w, dataclasses.replace(Plan.uniform(256, CUTE_QKVG_TORCH_SIDE_CHAIN), tactics=tactics))
     for m in (33, 72, 129, 200, 256):
         x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
         outs = proj(x, *projection_outputs(m, g, "cuda"))

@@ -9,6 +9,8 @@ buckets plans tune tactics for, and validation of either family's tactic.
 
 Tactics are tuned per bucket of M (:func:`tactic_bucket`); a ``wgmma`` tactic tuned for a bucket runs every M in it
 with the token tile covering that M (:func:`for_m`), since a smaller tile reads fewer activation bytes per K-tile.
+An untuned QKVG call gets the ``wgmma`` default from 33 to 64 tokens; above 64 only a tuned ``wgmma`` tactic serves
+(:func:`why_not_for`), else cuBLAS does.
 """
 
 from __future__ import annotations
@@ -75,10 +77,14 @@ def validate_any(tactic: AnyTactic, n: int, k: int, x_row_stride: int) -> str | 
     return validate_tactic(tactic, n, k, x_row_stride)
 
 
-def why_not_for(tactic: AnyTactic, role: str, m: int, capability: tuple[int, int] | None) -> str | None:
-    """Why ``tactic``'s family cannot serve ``role`` at ``m`` tokens on ``capability``, or ``None``."""
+def why_not_for(tactic: AnyTactic, role: str, m: int, capability: tuple[int, int] | None, tuned: bool) -> str | None:
+    """Why ``tactic``'s family cannot serve ``role`` at ``m`` tokens on ``capability``, or ``None``. Above
+    :data:`SKINNY_MAX_M` the wgmma kernel serves only a tactic a plan tuned there: measured on H200 (Kimi-K3 QKVG
+    alone, TP 8 and 4), its default was 5-23 % slower than cuBLAS at M = 96..256, so untuned calls go to cuBLAS."""
     if isinstance(tactic, WgmmaTactic):
         if not wgmma_serves(role, capability):
             return f"the wgmma kernel serves {', '.join(WGMMA_ROLES)} on SM {WGMMA_MAJORS}, not {role} on {capability}"
-        return f"M > {WGMMA_MAX_M}" if m > WGMMA_MAX_M else None
+        if m > WGMMA_MAX_M:
+            return f"M > {WGMMA_MAX_M}"
+        return f"M > {SKINNY_MAX_M} without a tuned wgmma tactic" if m > SKINNY_MAX_M and not tuned else None
     return f"M > {SKINNY_MAX_M}" if m > SKINNY_MAX_M else None

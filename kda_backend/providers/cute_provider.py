@@ -71,7 +71,8 @@ class CuteDslProvider(GemmProvider):
             return (f"N={call.n} and the weight row stride {call.w_row_stride} must be multiples of "
                     f"{ELEMS_PER_COPY}, K={call.k} of 64")
         tactic = self.tactic(call)
-        return why_not_for(tactic, call.role, call.m, call.capability) or validate_any(
+        tuned = isinstance(call.tuned, (Tactic, WgmmaTactic))
+        return why_not_for(tactic, call.role, call.m, call.capability, tuned) or validate_any(
             tactic, call.n, call.k, call.x_row_stride)
 
     def prepare(self, call: GemmCall) -> None:
