@@ -166,8 +166,8 @@ WGMMA_MIN_BUCKET = 32
 def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic]:
     """The wgmma QKVG candidates timed alone: the default (64-row CTAs, the deepest one-CTA ring), the deepest
     one-CTA rings of 128-row CTAs and of 128-element K-tiles, each with and without programmatic dependent launch
-    (measured on H200 with back-to-back launches of one kernel: 128-row CTAs were 22.4 us without it and 28.3 us
-    with it at M = 32, 64-row ones 24.5 us with it), at most :data:`WGMMA_CANDIDATES`."""
+    (measured on H200 for Kimi-K3 TP8 at M = 32: 64-row CTAs 23.03 us without it and 24.18 with it, 128-row ones
+    24.50 and 27.86; at TP4 64-row CTAs were faster with it), at most :data:`WGMMA_CANDIDATES`."""
     default = default_wgmma_tactic(n, k, m)
     cands = wgmma_candidate_tactics(n, k, m, x_row_stride)
 

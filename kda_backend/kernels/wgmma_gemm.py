@@ -182,7 +182,8 @@ def _fill_split(n: int, k: int, m: int, block_n: int, block_k: int, block_t: int
     """The split-K for an output with too few tiles to keep half the SMs streaming: the smallest split of the K-tiles
     reaching :data:`SMS` CTAs, limited so the fp32 partials (written and read once each) stay below a quarter of the
     weight bytes and the output tiles within one stream's arrival counters. More tiles are not split (measured on
-    H200 for Kimi-K3 TP8 QKVG, 96 row blocks of 64: splitting in two made it 1-3 us slower at M = 17..64)."""
+    H200 for Kimi-K3 TP8 QKVG alone, 96 row blocks of 64 split in two with two CTAs per SM: 33.6 / 37.7 us at
+    M = 96 / 128 against 25.8 / 27.9 unsplit, `benchmarks/results/levers/wgmma-wide-ctas-split-k.log`)."""
     tiles = row_blocks(n, block_n) * -(-m // block_t)
     k_tiles = k // block_k
     if tiles >= SMS // 2 or tiles > SPLIT_K_COUNTERS:
@@ -195,8 +196,8 @@ def _fill_split(n: int, k: int, m: int, block_n: int, block_k: int, block_t: int
 def default_wgmma_tactic(n: int, k: int, m: int) -> WgmmaTactic:
     """A sound tactic without tuning: 64-row CTAs (the most row blocks), 64-element K-tiles and the deepest ring one
     CTA per SM allows (at most 12 K-tiles), split along K only where the row blocks leave most SMs idle. Measured on
-    H200 for Kimi-K3 TP8 QKVG (back-to-back launches): 24.5 us at M = 32 and 25.2 us at M = 64 (3.5-3.6 TB/s of
-    weights), 28 us at M = 128."""
+    H200 for Kimi-K3 TP8 QKVG alone: 24.2 / 25.0 / 27.8 us at M = 32 / 64 / 128 (with PDL; the autotune log in
+    `benchmarks/results/h200-all-engine-batch-sizes/tp8/`)."""
     block_t = wgmma_block_t_for(m)
     block_k = 64 if k % 64 == 0 else 128
     split_k = _fill_split(n, k, m, 64, block_k, block_t)
