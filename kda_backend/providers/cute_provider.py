@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,19 +208,15 @@ def _check_aligned(what: str, tensors: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{what}: {name} data pointer is not 16-byte aligned")
 
 
-def trailing_calls(
-    x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor,
-    tuned: dict[str, Hashable] | None = None,
-) -> dict[str, GemmCall]:
-    """The ``fab`` and ``fb`` calls of a side chain over these operands (``tuned``: their tactics by role, else the
-    defaults), for :meth:`CuteDslProvider.trailing_launcher`."""
-    calls = _calls(x, {"fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
-    return {role: dataclasses.replace(call, tuned=(tuned or {}).get(role)) for role, call in calls.items()}
+def trailing_calls(x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor) -> dict[str, GemmCall]:
+    """The ``fab`` and ``fb`` calls of a side chain over these operands, for
+    :meth:`CuteDslProvider.trailing_launcher`."""
+    return _calls(x, {"fab": (w_fab, x), "fb": (w_fb, fab[:, : w_fb.shape[1]])})
 
 
 def _calls(x: torch.Tensor, operands: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, GemmCall]:
-    """The call of each role from its (weight, activations) on the device at hand (capability is not needed to
-    pick a tactic)."""
+    """The call of each role from its (weight, activations) on the device at hand, without a capability: its default
+    tactic is the ``mma.sync`` kernel's, which serves every role (:func:`~kda_backend.kernels.tactics.default_for`)."""
     return {
         role: GemmCall(role, x.shape[0], w.shape[0], w.shape[1], x.dtype, "cuda", None, xs.stride(0), w.stride(0))
         for role, (w, xs) in operands.items()
