@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +62,12 @@ def _positive_int(text: str) -> int:
 
 def _writable_folder(path: Path) -> Path:
     """``path`` as a folder a file can be written in (created if missing), else ``OSError``/``ValueError``."""
+    from kda_backend.plugins import prove_writable
+
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {path}: not a folder; accepted: a folder (created if missing)")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        prove_writable(path)
     except OSError as exc:
         raise ValueError(f"--out {path}: cannot write there ({exc.strerror}); accepted: a writable folder") from None
     return path

@@ -35,7 +35,7 @@ import kda_backend
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import warn_once
 from kda_backend.plan import Plan, PlanError, json_type, require_object
-from kda_backend.plugins import folder_problem, hooks
+from kda_backend.plugins import folder_problem, hooks, prove_writable
 
 FORMAT = 1
 FILE_FIELDS = ("format", "key", "plan", "tactics")
@@ -194,9 +194,7 @@ def check_writable(folder: Path | None = None) -> Path:
     if problem is not None:
         raise ValueError(f"cannot store plans in {folder}: {problem}")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        prove_writable(folder)
     except OSError as exc:
         raise type(exc)(f"cannot store plans in {folder}: {exc.strerror}; accepted: a folder this "
                       "process may write (KDA_BACKEND_CACHE_DIR)") from exc

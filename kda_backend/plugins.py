@@ -16,6 +16,7 @@ import errno
 import importlib.metadata as md
 import os
 import stat
+import tempfile
 import threading
 import types
 from collections.abc import Callable
@@ -168,6 +169,14 @@ def folder_problem(path: Path) -> str | None:
             return f"{part} is a symbolic link loop" if exc.errno == errno.ELOOP else f"{part}: {exc.strerror}"
         return None if stat.S_ISDIR(mode) else f"{part} is not a folder"
     return None
+
+
+def prove_writable(path: Path) -> None:
+    """Create the folder ``path`` (and its parents) if missing and write a temporary file in it: what a caller checks
+    before long work whose result it will store there. Raises ``OSError``."""
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+        pass
 
 
 class _Refused(Exception):

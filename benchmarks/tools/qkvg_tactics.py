@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from stage_operands import TACTIC_HELP, StageOperands, overlapped_time, parse_tactic, require_cuda, token_counts
+from stage_operands import (
+    TACTIC_HELP,
+    StageOperands,
+    kimi_k3_tp8,
+    overlapped_time,
+    parse_tactic,
+    tactic_or_default,
+    token_counts,
+)
 
-from kda_backend.autotune import make_weight_copies
-from kda_backend.geometry import preset
-from kda_backend.kernels.skinny_gemm import default_tactic
 from kda_backend.timing import copy_bandwidth, graph_time_per_layer
 
 
@@ -34,23 +38,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    require_cuda()
-    g = preset("kimi-k3", 8)
-    weights = make_weight_copies(g, torch.device("cuda"))
-    aux = torch.cuda.Stream()
+    g, weights, aux = kimi_k3_tp8()
     bandwidth = copy_bandwidth()
     qkvg_floor = weights[0].w_qkvg.numel() * 2 / bandwidth * 1e6
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, QKVG floor {qkvg_floor:.2f} us", flush=True)
     for m in args.ms:
-        t_fab = parse_tactic(args.fab, m) if args.fab else default_tactic(g.fab_rows, g.hidden_size, m)
-        t_fb = parse_tactic(args.fb, m) if args.fb else default_tactic(g.local_width, g.head_dim, m)
+        t_fab, t_fb = tactic_or_default(args.fab, "fab", g, m), tactic_or_default(args.fb, "fb", g, m)
         ops = StageOperands(weights, m)
 
         def side(i):
             ops.fab_gemm(t_fab, i)
             ops.fb_gemm(t_fb, i)
 
-        tactics = [default_tactic(g.qkvg_rows, g.hidden_size, m)]
+        tactics = [tactic_or_default(None, "qkvg", g, m)]
         tactics += [parse_tactic(spec, m) for spec in args.qkvg.split(",")]
         for t_qkvg in tactics:
 

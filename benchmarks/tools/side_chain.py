@@ -13,12 +13,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import torch
-from stage_operands import TACTIC_HELP, StageOperands, overlapped_time, parse_tactic, require_cuda, token_counts
+from stage_operands import (
+    TACTIC_HELP,
+    StageOperands,
+    kimi_k3_tp8,
+    overlapped_time,
+    parse_tactic,
+    tactic_or_default,
+    token_counts,
+)
 
-from kda_backend.autotune import make_weight_copies
-from kda_backend.geometry import preset
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for
 from kda_backend.timing import graph_time_per_layer
 
 # Named groups of F_A/beta tactics (token tile 16): split-K depths, whole-K (9 CTAs), finer splits, and 48-row
@@ -57,15 +62,11 @@ def fab_tactics(spec: str, m: int) -> list[Tactic]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    require_cuda()
-    g = preset("kimi-k3", 8)
-    weights = make_weight_copies(g, torch.device("cuda"))
-    aux = torch.cuda.Stream()
+    g, weights, aux = kimi_k3_tp8()
     for m in args.ms:
         ops = StageOperands(weights, m)
-        t_qkvg = parse_tactic(args.qkvg, m) if args.qkvg else default_tactic(g.qkvg_rows, g.hidden_size, m)
-        fbs = ([parse_tactic(k, m) for k in args.fb.split(",")] if args.fb
-               else [default_tactic(g.local_width, g.head_dim, m)])
+        t_qkvg = tactic_or_default(args.qkvg, "qkvg", g, m)
+        fbs = [tactic_or_default(k, "fb", g, m) for k in (args.fb.split(",") if args.fb else [None])]
         for t_fab in fab_tactics(args.fab, m):
             ctas = g.fab_rows // t_fab.block_n * t_fab.split_k
             for t_fb in fbs:

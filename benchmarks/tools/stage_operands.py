@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for
+from kda_backend.autotune import make_weight_copies
+from kda_backend.geometry import KDAGeometry, preset
+from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
@@ -38,6 +40,20 @@ def parse_tactic(spec: str, m: int) -> Tactic:
         block_n=int(rows), block_k=int(block_k), block_t=block_t_for(m), stages=int(stages), pdl=pdl == "p",
         x_via_l1=l1 == "L", split_k=int(split or 1), x_tma=tma == "T", x_bulk=bulk == "B",
     )
+
+
+def tactic_or_default(spec: str | None, role: str, g: KDAGeometry, m: int) -> Tactic:
+    """The tactic ``spec`` names (see :data:`TACTIC_HELP`), else ``role``'s default tactic at ``m`` tokens."""
+    n, k = {"qkvg": (g.qkvg_rows, g.hidden_size), "fab": (g.fab_rows, g.hidden_size),
+            "fb": (g.local_width, g.head_dim)}[role]
+    return parse_tactic(spec, m) if spec else default_tactic(n, k, m)
+
+
+def kimi_k3_tp8() -> tuple[KDAGeometry, list[ProjectionWeights], torch.cuda.Stream]:
+    """After the CUDA check: Kimi-K3's TP8 geometry, its rotating weight copies and a stream to fork onto."""
+    require_cuda()
+    g = preset("kimi-k3", 8)
+    return g, make_weight_copies(g, torch.device("cuda")), torch.cuda.Stream()
 
 
 def token_counts(spec: str) -> list[int]:

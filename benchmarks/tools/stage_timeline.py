@@ -22,12 +22,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from stage_operands import LAYERS, TACTIC_HELP, StageOperands, parse_tactic, require_cuda, token_counts
+from stage_operands import LAYERS, TACTIC_HELP, StageOperands, kimi_k3_tp8, tactic_or_default, token_counts
 
-from kda_backend.autotune import make_weight_copies
-from kda_backend.geometry import preset
 from kda_backend.kernels import compile_cache, skinny_gemm
-from kda_backend.kernels.skinny_gemm import default_tactic
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.timing import graph_time_per_layer
 
@@ -214,17 +211,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    require_cuda()
-    g = preset("kimi-k3", 8)
-    weights = make_weight_copies(g, torch.device("cuda"))
+    g, weights, aux = kimi_k3_tp8()
     module = patched_module()
-    aux = torch.cuda.Stream()
     for m in args.ms:
-        tactics = (
-            parse_tactic(args.qkvg, m) if args.qkvg else default_tactic(g.qkvg_rows, g.hidden_size, m),
-            parse_tactic(args.fab, m) if args.fab else default_tactic(g.fab_rows, g.hidden_size, m),
-            parse_tactic(args.fb, m) if args.fb else default_tactic(g.local_width, g.head_dim, m),
-        )
+        tactics = tuple(tactic_or_default(getattr(args, role), role, g, m) for role in ("qkvg", "fab", "fb"))
         timeline_at(m, tactics, g, weights, module, aux, args.out)
 
 
