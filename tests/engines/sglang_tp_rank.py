@@ -78,14 +78,9 @@ def main() -> None:
         projection = layer._kda_projection
         assert projection is not None, "SGLang's own method serves"
         outputs = {m: project(layer, parity_input(m, geometry.hidden_size)) for m in PARITY_MS}
-        report["checkpoints"][name] = {
-            "outputs": outputs, "stored_plan": stored, "serving_plan": projection.plan.to_document(),
-            "tp_size": layer.attn_tp_size, "local_heads": layer.local_num_heads,
-        }
+        report["checkpoints"][name] = tp_processes.loaded_checkpoint(outputs, stored, projection, layer.attn_tp_size, layer.local_num_heads)
         layers[name] = (layer, outputs)
-    report |= {"broadcasts": broadcasts[0], "seconds": {"import": imported - START, "group": grouped - imported,
-                                                        "load": time.monotonic() - grouped}}
-    tp_processes.report_loaded(args, report)
+    tp_processes.report_loaded(args, report, broadcasts[0], (START, imported, grouped))
 
     def forward():
         """SGLang's projection stage of every layer at M = 1, 5, 16, in both of SGLang's modes (F_B applied here,

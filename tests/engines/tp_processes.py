@@ -276,8 +276,21 @@ def count_calls(obj: Any, method: str) -> list[int]:
     return calls
 
 
-def report_loaded(args: RankArgs, report: dict[str, Any]) -> None:
-    """Hand this rank's load-time report to the test process (written whole, then renamed)."""
+def loaded_checkpoint(outputs: dict[int, Any], stored: Any, projection: Any, tp_size: int, local_heads: int
+                      ) -> dict[str, Any]:
+    """One checkpoint's entry in a rank's load-time report: its outputs per M, the plan this rank stored, the plan
+    its projection serves, and the engine's TP size and local heads."""
+    return {"outputs": outputs, "stored_plan": stored, "serving_plan": projection.plan.to_document(),
+            "tp_size": tp_size, "local_heads": local_heads}
+
+
+def report_loaded(args: RankArgs, report: dict[str, Any], broadcasts: int, marks: tuple[float, float, float]) -> None:
+    """Hand this rank's load-time report to the test process (written whole, then renamed), with the plan
+    broadcasts so far and the seconds spent importing, forming the group and loading (``marks``: the monotonic
+    times at start, after the imports and after the group)."""
+    start, imported, grouped = marks
+    report |= {"broadcasts": broadcasts, "seconds": {"import": imported - start, "group": grouped - imported,
+                                                     "load": time.monotonic() - grouped}}
     path = args.folder / f"loaded-{args.rank}.pt"
     torch.save(report, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)

@@ -66,14 +66,9 @@ def main() -> None:
         assert projection is not None, layer.kda_vllm_path_reason
         outputs = {m: [t.clone() for t in projection(parity_input(m, CHECKPOINTS[name].hidden_size))]
                    for m in PARITY_MS}
-        report["checkpoints"][name] = {
-            "outputs": outputs, "stored_plan": stored, "serving_plan": projection.plan.to_document(),
-            "tp_size": layer.tp_size, "local_heads": layer.local_num_heads,
-        }
+        report["checkpoints"][name] = tp_processes.loaded_checkpoint(outputs, stored, projection, layer.tp_size, layer.local_num_heads)
         layers[name] = (layer, outputs)
-    report |= {"broadcasts": broadcasts[0], "seconds": {"import": imported - START, "group": grouped - imported,
-                                                        "load": time.monotonic() - grouped}}
-    tp_processes.report_loaded(args, report)
+    tp_processes.report_loaded(args, report, broadcasts[0], (START, imported, grouped))
 
     def forward():
         """vLLM's forward of every layer at M = 1, 5, 16, up to the tensors it hands ``_forward``."""
