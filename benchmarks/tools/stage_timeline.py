@@ -72,10 +72,14 @@ def patched_source() -> str:
 
 
 def patched_module():
-    path = Path(tempfile.mkdtemp()) / "skinny_timeline.py"
+    """The patched copy imported from a temporary folder, which the module holds (the DSL reads a kernel's source
+    when it compiles) and which is removed at exit."""
+    folder = tempfile.TemporaryDirectory(prefix="kda-timeline-")
+    path = Path(folder.name) / "skinny_timeline.py"
     path.write_text(patched_source())
     spec = importlib.util.spec_from_file_location("skinny_timeline", path)
     module = importlib.util.module_from_spec(spec)
+    module.source_folder = folder
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
