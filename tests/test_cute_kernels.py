@@ -299,6 +299,7 @@ def _compile_and_dump(key: KernelKey, dump_dir, keep: str = "ptx") -> str:
     code = (
         "from kda_backend.kernels.compile_cache import KernelKey, compile_gemm\n"
         "from kda_backend.kernels.skinny_gemm import Link, Tactic\n"
+        "from kda_backend.kernels.wgmma_gemm import WgmmaTactic\n"
         f"compile_gemm({key!r})\n"
     )
     env = dict(os.environ, CUTE_DSL_KEEP=keep, CUTE_DSL_DUMP_DIR=str(dump_dir))
@@ -307,6 +308,17 @@ def _compile_and_dump(key: KernelKey, dump_dir, keep: str = "ptx") -> str:
     ptx = list(dump_dir.glob("*.ptx"))
     assert ptx, list(dump_dir.iterdir())
     return ptx[0].read_text()
+
+
+@pytest.mark.parametrize("tactic", [WgmmaTactic(64, 64, 32, 12), WgmmaTactic(64, 64, 64, 6, split_k=2)],
+                         ids=lambda t: t.key())
+def test_wgmma_kernel_releases_the_next_launch_only_after_its_wait_for_x(tactic, tmp_path):
+    """A CTA's first ``griddepcontrol.launch_dependents`` is the one that counts (PTX ISA), and a side chain
+    launched behind QKVG with ``x_ready`` loads x without waiting: the wgmma kernel releases the next launch once,
+    after its wait for the kernel that wrote x."""
+    text = _compile_and_dump(KernelKey(tactic, 6144, 7168, 7168, 7168, "sm_90a"), tmp_path)
+    assert text.count("griddepcontrol.launch_dependents") == 1 and text.count("griddepcontrol.wait") == 1
+    assert text.index("griddepcontrol.wait") < text.index("griddepcontrol.launch_dependents")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

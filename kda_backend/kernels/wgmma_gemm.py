@@ -356,9 +356,9 @@ class WgmmaGemm:
         if warp == t.consumer_threads // 32:
             self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, k_first, k_tiles)
         else:
-            if cutlass.const_expr(t.pdl):
-                # Every thread triggers (a CTA counts once all of its threads have); the producer does after its wait.
-                cute.arch.griddepcontrol_launch_dependents()
+            # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
+            # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
+            # x without waiting, see skinny_gemm.Link).
             g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
             c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
             thr_mma = tiled_mma.get_slice(tidx)
@@ -391,7 +391,7 @@ class WgmmaGemm:
             state.advance()
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
-            # Releasing the next kernel this early lets its weight prologue overlap our tail.
+            # The CTA releases the next kernel here, once x is complete: its weight prologue overlaps our tail.
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(prologue):
             cute.copy(x_tma, t_gx[None, k_first + s], t_sx[None, s],
