@@ -55,6 +55,7 @@ BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 6
 WGMMA_CANDIDATES = 5
 WGMMA_FINALISTS = 2
 FINALISTS = 4  # in-stage candidates timed again
+CANDIDATE_TOLERANCE = 1e-2  # relative error of a bf16 output against fp32 (8 mantissa bits)
 RETIMING_ROUNDS = 2
 
 
@@ -92,6 +93,44 @@ def time_tactic(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, 
     return graph_time_per_layer(lambda i: launch(tactic, x_views[i % c], w_role[i % c], outs[i % c]), layers=LAYERS)
 
 
+def tactic_error(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, m: int) -> str | None:
+    """Why ``tactic`` must not serve ``role`` at ``m`` tokens, or ``None``: its output, poisoned with NaN before the
+    launch, against the fp32 product of random activations and the first weight copy has a NaN (a tile left
+    unwritten) or a relative error above :data:`CANDIDATE_TOLERANCE`. Every candidate is checked before it is timed,
+    so a kernel that computes wrongly on this device is never the fastest."""
+    n, k, x_row_stride = _role_shapes(weights[0].geometry)[role]
+    w = {"qkvg": weights[0].w_qkvg, "fab": weights[0].w_fab, "fb": weights[0].w_fb}[role]
+    x = torch.randn(m, x_row_stride, device=w.device, dtype=torch.bfloat16)[:, :k]
+    out = torch.full((m, n), float("nan"), device=w.device, dtype=torch.bfloat16)
+    launch(for_m(tactic, m), x, w, out)
+    if out.isnan().any():
+        return "NaN in its output"
+    ref = x.float() @ w.float().t()
+    error = ((out.float() - ref).norm() / ref.norm()).item()
+    return None if error <= CANDIDATE_TOLERANCE else f"relative error {error:.2g} > {CANDIDATE_TOLERANCE}"
+
+
+def verified(
+    weights: list[ProjectionWeights], role: str, cands: list[AnyTactic], ms: Iterable[int],
+    progress: Callable[[str], None],
+) -> list[AnyTactic]:
+    """The candidates whose output is right at every M of ``ms`` (:func:`tactic_error`), in order; each one dropped
+    is reported."""
+    kept = []
+    for tactic in cands:
+        reason = next((r for r in (tactic_error(weights, role, tactic, m) for m in ms) if r is not None), None)
+        if reason is None:
+            kept.append(tactic)
+        else:
+            progress(f"tactic {role} {tactic.key()} dropped: {reason}")
+    return kept
+
+
+def _none_right(role: str, ms: Iterable[int]) -> RuntimeError:
+    return RuntimeError(f"no CuTe tactic for {role} computed right at M = {list(ms)} on this device; pin the torch "
+                        "provider (KDA_BACKEND_PROVIDER=torch) and report it")
+
+
 def tune_tactics(
     geometry: KDAGeometry,
     weights: list[ProjectionWeights],
@@ -123,6 +162,9 @@ def tune_tactics(
         for bucket in skinny:
             ms = BUCKET_MS[bucket]
             cands = _shortlist(candidate_tactics(n, k, ms[-1], xs), default_tactic(n, k, ms[-1]), max_candidates)
+            cands = verified(weights, role, cands, ms, progress)
+            if not cands:
+                raise _none_right(role, ms)
             times = {tactic: [time_tactic(weights, role, tactic, m) for m in ms] for tactic in cands}
             best = most_robust(times)
             table[(role, n, k, bucket)] = best
@@ -134,16 +176,21 @@ def tune_tactics(
         wgmma = []
         if wgmma_serves("qkvg", capability) and bucket >= WGMMA_MIN_BUCKET:
             wgmma = _wgmma_finalists(weights, q_n, q_k, q_xs, bucket, progress)
-        if bucket > SKINNY_MAX_M:  # no CuTe side chain here: the fastest QKVG alone
-            table[qkvg_key] = wgmma[0]
+        if bucket > SKINNY_MAX_M:  # no CuTe side chain here: the fastest QKVG alone (none right: cuBLAS serves)
+            if wgmma:
+                table[qkvg_key] = wgmma[0]
             continue
         pairs = []
         q_cands, q_default = candidate_tactics(q_n, q_k, top, q_xs), default_tactic(q_n, q_k, top)
         shortlist = _shortlist(q_cands, q_default, max_candidates)
-        for qkvg in shortlist + [c for c in _other_row_blocks(q_cands, q_default) if c not in shortlist] + wgmma:
+        others = [c for c in _other_row_blocks(q_cands, q_default) if c not in shortlist]
+        for qkvg in verified(weights, "qkvg", shortlist + others, BUCKET_MS[bucket], progress) + wgmma:
             spare = spare_slot_tactics(f_n, f_k, top, f_xs, qkvg, output_tiles(qkvg, q_n, top) * qkvg.split_k, budget)
-            partners = [table[fab_key]] + [t for t in [spare_slot_partner(spare)] if t not in (None, table[fab_key])]
+            extra = [t for t in [spare_slot_partner(spare)] if t not in (None, table[fab_key])]
+            partners = [table[fab_key]] + verified(weights, "fab", extra, BUCKET_MS[bucket], progress)
             pairs += [{qkvg_key: qkvg, fab_key: fab} for fab in partners]
+        if not pairs:
+            raise _none_right("qkvg", BUCKET_MS[bucket])
         table.update(_best_in_stage(weights, bucket, table, pairs, progress))
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
@@ -153,6 +200,7 @@ def tune_tactics(
             main = table[("qkvg", q_n, q_k, bucket)]
             main_ctas = output_tiles(main, q_n, top) * main.split_k
             cands += [c for c in spare_slot_tactics(n, k, top, xs, main, main_ctas, budget) if c not in cands]
+            cands = verified(weights, role, cands, BUCKET_MS[bucket], progress)
             key = (role, n, k, bucket)
             table.update(_best_in_stage(weights, bucket, table, [{key: c} for c in cands], progress))
     return table
@@ -185,7 +233,7 @@ def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic
 def _wgmma_finalists(weights, n: int, k: int, xs: int, bucket: int, progress: Callable[[str], None]) -> list:
     """The :data:`WGMMA_FINALISTS` fastest wgmma QKVG tactics alone over the bucket's M, fastest first."""
     ms = BUCKET_MS[bucket]
-    shortlist = wgmma_shortlist(n, k, ms[-1], xs)
+    shortlist = verified(weights, "qkvg", wgmma_shortlist(n, k, ms[-1], xs), ms, progress)
     times = {tactic: [time_tactic(weights, "qkvg", tactic, m) for m in ms] for tactic in shortlist}
     slowdown = worst_slowdowns(times)
     ranked = sorted(times, key=lambda tactic: slowdown[tactic])

@@ -72,22 +72,48 @@ WINNER = Tactic(48, 128, 16, 4, split_k=4, x_via_l1=False)
 SPLIT_DEFAULT = Tactic(16, 128, 16, 3, split_k=14)  # F_A/beta's default: the fastest alone when all tie
 
 
-def _tune_with_stubbed_timings(monkeypatch, stage_time) -> tuple[dict, list]:
+def _tune_with_stubbed_timings(monkeypatch, stage_time, wrong=lambda role, tactic: False, progress=None):
     """``tune_tactics`` for TP8's 16-token bucket on a simulated H200: every GEMM alone takes 1 us (2 us for
     48-row CTAs), and the stage ``stage_time(QKVG tactic, F_A/beta tactic, m, how many times that pair was timed
-    at m)`` seconds. Returns the table and the (QKVG, F_A/beta) tactics of each stage timing."""
-    staged = []
+    at m)`` seconds; the tactics ``wrong(role, tactic)`` names compute wrongly. Returns the table and the
+    (QKVG, F_A/beta) tactics of each stage timing; ``progress`` collects the tuner's lines."""
+    staged, timed = [], []
 
     def time_step(weights, step, m, tactics):
         pair = (tactics.get(QKVG_KEY), tactics[FAB_KEY])
         staged.append((pair, m))
         return stage_time(*pair, m, staged.count((pair, m)))
 
-    monkeypatch.setattr(autotune, "time_tactic", lambda weights, role, tactic, m: 2e-6 if tactic.block_n == 48 else 1e-6)
+    def time_tactic(weights, role, tactic, m):
+        timed.append((role, tactic))
+        return 2e-6 if tactic.block_n == 48 else 1e-6
+
+    monkeypatch.setattr(autotune, "time_tactic", time_tactic)
     monkeypatch.setattr(autotune, "time_step", time_step)
+    monkeypatch.setattr(autotune, "tactic_error",
+                        lambda weights, role, tactic, m: "relative error 0.5 > 0.01" if wrong(role, tactic) else None)
     monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
     weights = [types.SimpleNamespace(geometry=TP8, device=torch.device("cpu"))]
-    return autotune.tune_tactics(TP8, weights, [16]), [pair for pair, _ in staged]
+    table = autotune.tune_tactics(TP8, weights, [16], progress=(progress if progress is not None else []).append)
+    assert not any(wrong(role, tactic) for role, tactic in timed)
+    assert not any(wrong("qkvg", q) or wrong("fab", f) for (q, f), _ in staged)
+    return table, [pair for pair, _ in staged]
+
+
+def test_tactics_that_compute_wrongly_are_never_timed_or_kept(monkeypatch):
+    """Every candidate is checked against fp32 before it is timed: one that computes wrongly on the device (here
+    F_A/beta's split-K default and QKVG's 48-row CTAs) is reported and never timed, alone or in the stage; where
+    no candidate of a role is right, tuning stops with an error naming the role."""
+    lines = []
+
+    def wrong(role, tactic):
+        return (role, tactic) == ("fab", SPLIT_DEFAULT) or (role == "qkvg" and tactic.block_n == 48)
+
+    table, _ = _tune_with_stubbed_timings(monkeypatch, lambda qkvg, fab, m, n: 1e-6, wrong=wrong, progress=lines)
+    assert table[FAB_KEY] != SPLIT_DEFAULT and table[QKVG_KEY].block_n != 48
+    assert f"tactic fab {SPLIT_DEFAULT.key()} dropped: relative error 0.5 > 0.01" in lines
+    with pytest.raises(RuntimeError, match="no CuTe tactic for fb computed right at M = \\[2, 8, 16\\]"):
+        _tune_with_stubbed_timings(monkeypatch, lambda qkvg, fab, m, n: 1e-6, wrong=lambda role, tactic: role == "fb")
 
 
 def test_autotuner_times_spare_slot_tactics_in_the_stage(monkeypatch):
@@ -150,6 +176,7 @@ def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkey
 
     monkeypatch.setattr(autotune, "time_tactic", time_tactic)
     monkeypatch.setattr(autotune, "time_step", time_step)
+    monkeypatch.setattr(autotune, "tactic_error", lambda weights, role, tactic, m: None)
     monkeypatch.setattr(autotune, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
     weights = [types.SimpleNamespace(geometry=TP8, device=torch.device("cpu"))]
