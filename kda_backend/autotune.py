@@ -26,7 +26,7 @@ from kda_backend import dispatch
 from kda_backend.batch_sizes import engine_batch_sizes
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
-from kda_backend.kernels.skinny_gemm import Tactic, candidate_tactics, default_tactic, output_tiles
+from kda_backend.kernels.skinny_gemm import Tactic, candidate_tactics, default_tactic
 from kda_backend.kernels.tactics import (
     SINGLE_TOKEN_BUCKET,
     SKINNY_MAX_M,
@@ -185,7 +185,7 @@ def tune_tactics(
         shortlist = _shortlist(q_cands, q_default, max_candidates)
         others = [c for c in _other_row_blocks(q_cands, q_default) if c not in shortlist]
         for qkvg in verified(weights, "qkvg", shortlist + others, BUCKET_MS[bucket], progress) + wgmma:
-            spare = spare_slot_tactics(f_n, f_k, top, f_xs, qkvg, output_tiles(qkvg, q_n, top) * qkvg.split_k, budget)
+            spare = spare_slot_tactics(f_n, f_k, top, f_xs, qkvg, qkvg.ctas(q_n, top), budget)
             extra = [t for t in [spare_slot_partner(spare)] if t not in (None, table[fab_key])]
             partners = [table[fab_key]] + verified(weights, "fab", extra, BUCKET_MS[bucket], progress)
             pairs += [{qkvg_key: qkvg, fab_key: fab} for fab in partners]
@@ -198,7 +198,7 @@ def tune_tactics(
             top = BUCKET_MS[bucket][-1]
             cands = _neighbours(table[(role, n, k, bucket)], candidate_tactics(n, k, top, xs))
             main = table[("qkvg", q_n, q_k, bucket)]
-            main_ctas = output_tiles(main, q_n, top) * main.split_k
+            main_ctas = main.ctas(q_n, top)
             cands += [c for c in spare_slot_tactics(n, k, top, xs, main, main_ctas, budget) if c not in cands]
             cands = verified(weights, role, cands, BUCKET_MS[bucket], progress)
             key = (role, n, k, bucket)

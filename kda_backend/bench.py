@@ -29,7 +29,7 @@ from kda_backend import native
 from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, make_weight_copies
 from kda_backend.batch_sizes import engine_batch_sizes, spans
 from kda_backend.geometry import KDAGeometry
-from kda_backend.kernels.skinny_gemm import Tactic, output_tiles
+from kda_backend.kernels.skinny_gemm import Tactic
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
@@ -92,7 +92,7 @@ def _gemm_time(weights, role: str, m: int, provider: str, plan: Plan) -> tuple[f
         cute = dispatch.provider_by_name("cute")
         proj = KDAProjection(weights[0], plan)
         tactic = cute.tactic(proj.gemm_call(role, m))
-        ctas = output_tiles(tactic, n, m) * tactic.split_k
+        ctas = tactic.ctas(n, m)
 
         def run(i: int) -> None:
             launch(tactic, xs[i % len(xs)], pick(weights[i % len(weights)]), outs[i % len(outs)])

@@ -16,6 +16,8 @@ import torch
 from kda_backend.autotune import make_weight_copies
 from kda_backend.geometry import KDAGeometry, preset
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic
+from kda_backend.kernels.tactics import AnyTactic
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic, wgmma_block_t_for
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
@@ -23,18 +25,26 @@ from kda_backend.weights import ProjectionWeights
 
 LAYERS = 24  # layers per timed graph (graph_time_per_layer's default)
 TACTIC_KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)(B?)")
+WGMMA_KEY = re.compile(r"w(\d+)k(\d+)s(\d+)(?:x(\d+))?(?:c(\d+))?(p?)")
 TACTIC_HELP = (
-    "tactic keys without the token tile, which follows M: n<rows>k<block_k>s<stages>[x<split>][p][L][T][B], e.g. "
-    "n48k256s4p = 48 weight rows per CTA, 256-element K-tiles, 4 stages, PDL; x14 = split-K 14, L = activations "
-    "through L1, T = by TMA, B = by bulk copies"
+    "tactic keys without the token tile, which follows M: n<rows>k<block_k>s<stages>[x<split>][p][L][T][B] for the "
+    "mma.sync kernel, e.g. n48k256s4p = 48 weight rows per CTA, 256-element K-tiles, 4 stages, PDL; x14 = split-K "
+    "14, L = activations through L1, T = by TMA, B = by bulk copies; w<rows>k<block_k>s<stages>[x<split>][c<ctas>][p] "
+    "for the wgmma kernel (QKVG on Hopper), e.g. w64k64s9c132p = stream-K over 132 CTAs"
 )
 
 
-def parse_tactic(spec: str, m: int) -> Tactic:
+def parse_tactic(spec: str, m: int) -> AnyTactic:
     """A tactic from its key without the token tile, which follows ``m`` (see :data:`TACTIC_HELP`)."""
+    wgmma = WGMMA_KEY.fullmatch(spec)
+    if wgmma is not None:
+        rows, block_k, stages, split, ctas, pdl = wgmma.groups()
+        return WgmmaTactic(int(rows), int(block_k), wgmma_block_t_for(m), int(stages), int(split or 1), pdl == "p",
+                           int(ctas or 0))
     match = TACTIC_KEY.fullmatch(spec)
     if match is None:
-        raise SystemExit(f"tactic {spec!r} does not read as n<rows>k<block_k>s<stages>[x<split>][p][L][T][B]")
+        raise SystemExit(f"tactic {spec!r} does not read as n<rows>k<block_k>s<stages>[x<split>][p][L][T][B] or "
+                         "w<rows>k<block_k>s<stages>[x<split>][c<ctas>][p]")
     rows, block_k, stages, split, pdl, l1, tma, bulk = match.groups()
     return Tactic(
         block_n=int(rows), block_k=int(block_k), block_t=block_t_for(m), stages=int(stages), pdl=pdl == "p",
@@ -42,7 +52,7 @@ def parse_tactic(spec: str, m: int) -> Tactic:
     )
 
 
-def tactic_or_default(spec: str | None, role: str, g: KDAGeometry, m: int) -> Tactic:
+def tactic_or_default(spec: str | None, role: str, g: KDAGeometry, m: int) -> AnyTactic:
     """The tactic ``spec`` names (see :data:`TACTIC_HELP`), else ``role``'s default tactic at ``m`` tokens."""
     n, k = {"qkvg": (g.qkvg_rows, g.hidden_size), "fab": (g.fab_rows, g.hidden_size),
             "fb": (g.local_width, g.head_dim)}[role]

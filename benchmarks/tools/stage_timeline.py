@@ -25,6 +25,7 @@ import torch
 from stage_operands import LAYERS, TACTIC_HELP, StageOperands, kimi_k3_tp8, tactic_or_default, token_counts
 
 from kda_backend.kernels import compile_cache, skinny_gemm
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.timing import graph_time_per_layer
 
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     module = patched_module()
     for m in args.ms:
         tactics = tuple(tactic_or_default(getattr(args, role), role, g, m) for role in ("qkvg", "fab", "fb"))
+        if any(isinstance(t, WgmmaTactic) for t in tactics):
+            raise SystemExit("stage_timeline patches the mma.sync kernel: give its tactics (n...), not wgmma ones")
         timeline_at(m, tactics, g, weights, module, aux, args.out)
 
 

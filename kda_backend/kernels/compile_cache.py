@@ -123,10 +123,12 @@ def compile_gemm(key: KernelKey) -> Any:
     x = make_fake_tensor(cutlass.BFloat16, (m, key.k), (key.x_row_stride, 1), assumed_align=16)
     w = make_fake_tensor(cutlass.BFloat16, (key.n, key.k), (key.w_row_stride, 1), assumed_align=16)
     out = make_fake_tensor(cutlass.BFloat16, (m, key.n), (key.n, 1), assumed_align=16)
-    split, link = key.tactic.split_k, key.link
+    tactic, link = key.tactic, key.link
     work = arrivals = chain = expected = None
-    if split > 1:
-        work = make_fake_tensor(cutlass.Float32, (split, m, key.n), (cute.sym_int64(), key.n, 1), assumed_align=16)
+    if tactic.uses_workspace:
+        shape = tactic.workspace_shape(m, key.n)  # [split_k, M, N], or stream-K's static slots
+        stride = (cute.sym_int64() if tactic.split_k > 1 else shape[1] * shape[2], shape[2], 1)
+        work = make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
         arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
     if link.signals or link.waits:
         chain = make_fake_tensor(cutlass.Int32, (2,), (1,), assumed_align=4)

@@ -135,6 +135,19 @@ class Tactic:
         proxy needs, see :func:`validate_link`)."""
         return dataclasses.replace(self, x_via_l1=False, x_tma=False, x_bulk=False)
 
+    @property
+    def uses_workspace(self) -> bool:
+        """Whether a launch takes an fp32 workspace and arrival counters (split-K)."""
+        return self.split_k > 1
+
+    def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
+        """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
+        return self.split_k, m, n
+
+    def ctas(self, n: int, m: int) -> int:
+        """CTAs of one launch over ``n`` rows and ``m`` tokens."""
+        return output_tiles(self, n, m) * self.split_k
+
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
         return (

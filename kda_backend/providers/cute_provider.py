@@ -7,10 +7,10 @@ of 8 (the last row block may be partial, e.g. SGLang's F_A/beta at TP16, 136 row
 A call's tactic is the one its plan tuned (:attr:`~kda_backend.providers.base.GemmCall.tuned`), else the default.
 
 Launches are lean: :meth:`CuteDslProvider.launcher` resolves a call's tactic and compiled kernel once (with split-K
-also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and so is the side chain
-trailing QKVG (:meth:`CuteDslProvider.trailing_launcher`). Launches make no Python
-checks: the TVM-FFI function checks every tensor's dtype, device, static shape, strides and 16-byte alignment in C
-before it launches, and raises ``ValueError`` or ``TypeError``.
+or stream-K also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and so is the
+side chain trailing QKVG (:meth:`CuteDslProvider.trailing_launcher`). Launches make no Python checks: the TVM-FFI
+function checks every tensor's dtype, device, static shape, strides and 16-byte alignment in C before it launches,
+and raises ``ValueError`` or ``TypeError``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class CuteDslProvider(GemmProvider):
         device = _current_device()
         tactic = self.tactic(call)
         self._kernel(tactic, call, device)
-        if tactic.split_k > 1:
+        if tactic.uses_workspace:
             arrival_counters.reserve(device)
 
     def launcher(self, call: GemmCall) -> Launcher:
@@ -95,18 +95,18 @@ class CuteDslProvider(GemmProvider):
     def _new_launcher(self, call: GemmCall, device: torch.device) -> Launcher:
         tactic = self.tactic(call)
         kernel = self._kernel(tactic, call, device)
-        if tactic.split_k == 1:
+        if not tactic.uses_workspace:
 
             def launch_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
                 kernel(x, w, out, None, None, None, None)
 
             return launch_gemm
-        split_k = PerStream(lambda stream: _split_k_operands(tactic, call.m, call.n, stream), device)
+        workspace = PerStream(lambda stream: _workspace_operands(tactic, call.m, call.n, stream), device)
 
-        def launch_split_k(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-            kernel(x, w, out, *split_k.current(), None, None)
+        def launch_with_workspace(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+            kernel(x, w, out, *workspace.current(), None, None)
 
-        return launch_split_k
+        return launch_with_workspace
 
     def run(self, role: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         _check_aligned(role, {"x": x, "w": w, "out": out})
@@ -126,10 +126,10 @@ class CuteDslProvider(GemmProvider):
             if reason is not None:
                 return f"{call.role}: {reason}"
         fab, fb = self.trailing_tactics(calls)
-        if self.tactic(calls["qkvg"]).split_k > 1 and fab.split_k > 1:
+        if self.tactic(calls["qkvg"]).uses_workspace and fab.split_k > 1:
             # F_A/beta starts beside QKVG without waiting for it (x_ready) and counts its tiles in on the stream's
-            # split-K arrival counters, which a split-K QKVG is still using.
-            return "qkvg and fab both split K: they would share the stream's arrival counters at once"
+            # split-K arrival counters, which a split-K or stream-K QKVG is still using.
+            return "qkvg and fab both count tiles in: they would share the stream's arrival counters at once"
         return validate_link(SIGNALS, fab) or validate_link(WAITS, fb)
 
     def trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
@@ -158,7 +158,7 @@ class CuteDslProvider(GemmProvider):
 
         def operands(stream: torch.cuda.Stream) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
             split = fab_tactic.split_k > 1
-            work, arrivals = _split_k_operands(fab_tactic, fab_call.m, fab_call.n, stream) if split else (None, None)
+            work, arrivals = _workspace_operands(fab_tactic, fab_call.m, fab_call.n, stream) if split else (None, None)
             return work, arrivals, arrival_counters.chain_for_stream(stream)
 
         per_stream = PerStream(operands, device)
@@ -223,11 +223,12 @@ def _calls(x: torch.Tensor, operands: dict[str, tuple[torch.Tensor, torch.Tensor
     }
 
 
-def _split_k_operands(
+def _workspace_operands(
     tactic: AnyTactic, m: int, n: int, stream: torch.cuda.Stream
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split-K launch's fp32 workspace ``[split_k, M, N]`` and ``stream``'s arrival counters."""
-    workspace = torch.empty(tactic.split_k, m, n, device=stream.device, dtype=torch.float32)
+    """A split-K or stream-K launch's fp32 workspace (:meth:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic.
+    workspace_shape`) and ``stream``'s arrival counters, one per output tile."""
+    workspace = torch.empty(tactic.workspace_shape(m, n), device=stream.device, dtype=torch.float32)
     return workspace, arrival_counters.for_stream(stream, output_tiles(tactic, n, m))
 
 
@@ -239,7 +240,8 @@ def launch(
     through :meth:`CuteDslProvider.launcher`."""
     n, k = w.shape
     kernel = compiled_gemms.get(kernel_key(tactic, n, k, x.stride(0), w.stride(0), x.device), folder)
-    if tactic.split_k == 1:
+    if not tactic.uses_workspace:
         kernel(x, w, out, None, None, None, None)
         return
-    kernel(x, w, out, *_split_k_operands(tactic, x.shape[0], n, torch.cuda.current_stream(x.device)), None, None)
+    stream = torch.cuda.current_stream(x.device)
+    kernel(x, w, out, *_workspace_operands(tactic, x.shape[0], n, stream), None, None)
