@@ -25,6 +25,8 @@ from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, TrailingLa
 from kda_backend.stages import Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
 from kda_backend.weights import ProjectionWeights
 
+OUTPUT_ALIGN_BYTES = 16  # the CuTe kernels store 16-byte vectors
+
 
 class KDAProjection:
     """The projection stage of one layer.
@@ -241,3 +243,8 @@ def _validate_output(name: str, buf: torch.Tensor, m: int, cols: int, x: torch.T
         raise ValueError(f"{name}: {buf.dtype} on {buf.device} != x's {x.dtype} on {x.device}")
     if not buf.is_contiguous():
         raise ValueError(f"{name}: must be contiguous, got stride {buf.stride()}")
+    if m and buf.data_ptr() % OUTPUT_ALIGN_BYTES:
+        # Checked before any launch: a kernel would refuse it only after the ones before it ran (a trailing F_A/beta
+        # that already counted its tiles in for an F_B that never runs).
+        raise ValueError(f"{name}: data pointer {buf.data_ptr():#x} is not {OUTPUT_ALIGN_BYTES}-byte aligned; "
+                         "accepted: a buffer from torch's allocator or a view starting at a 16-byte boundary")

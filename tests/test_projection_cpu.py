@@ -225,6 +225,8 @@ def test_preallocated_outputs_are_written():
         (0, torch.empty(3, 5, dtype=torch.bfloat16), r"qkvg_out: shape \(3, 5\) != expected \(3, 256\)"),
         (1, torch.empty(3, 32, dtype=torch.float32), r"fab_out: torch.float32 on cpu"),
         (2, torch.empty(64, 3, dtype=torch.bfloat16).t(), r"g1_out: must be contiguous"),
+        (2, torch.empty(3 * 64 + 1, dtype=torch.bfloat16)[1:].view(3, 64), r"g1_out: data pointer 0x[0-9a-f]+ is not "
+         r"16-byte aligned; accepted: a buffer from torch's allocator or a view starting at a 16-byte boundary"),
     ],
 )
 def test_bad_output_buffers_named(which, buf, match):

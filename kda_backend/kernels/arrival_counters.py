@@ -4,8 +4,9 @@ stream.
 Each split-K launch counts its CTAs in per output tile; the last to arrive reduces and resets the tile's counter to
 zero, so a set is zero again whenever no kernel using it is running. Kernels on one stream never overlap in their
 counter use (with programmatic launch, a kernel touches counters only after ``griddepcontrol.wait``, i.e. after its
-predecessor finished), so one set per stream is race-free; kernels on different streams get different sets. The
-last two counters of a set belong to the side chain trailing QKVG on one stream
+predecessor finished; the one exception, F_A/beta trailing QKVG, is released by QKVG only after QKVG's own wait,
+see :class:`~kda_backend.kernels.skinny_gemm.Link`), so one set per stream is race-free; kernels on different
+streams get different sets. The last two counters of a set belong to the side chain trailing QKVG on one stream
 (:class:`~kda_backend.kernels.skinny_gemm.Link`): its signaling and its waiting launch use them together, and the
 pair leaves them at zero before the next pair on the stream can touch them.
 

@@ -216,6 +216,9 @@ class Link:
     :param x_ready: launched programmatically right behind the kernel that waited for x (QKVG), so x is complete
         when this launch starts: no ``griddepcontrol.wait`` before loading x; the next launch is released at once,
         and the kernel ends with ``griddepcontrol.wait``, so it never completes before the launch before it.
+        It touches the chain and split-K counters before any wait of its own, so it relies on that QKVG releasing
+        it only after its own wait, and on the previous side chain on the stream having completed by then (every
+        kernel in between waits for its predecessor before it completes, or is launched without PDL).
     """
 
     waits: bool = False

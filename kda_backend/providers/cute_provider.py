@@ -166,7 +166,13 @@ class CuteDslProvider(GemmProvider):
         def run(x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor, g1: torch.Tensor) -> None:
             work, arrivals, chain = per_stream.current()
             first(x, w_fab, fab, work, arrivals, chain, None)
-            second(fab.narrow(1, 0, d), w_fb, g1, None, None, chain, expected)
+            try:
+                second(fab.narrow(1, 0, d), w_fb, g1, None, None, chain, expected)
+            except Exception:
+                # F_A/beta counts its tiles in on chain[0] and only F_B resets it: zero it behind F_A/beta, or the
+                # stream's next side chain would find its count reached before its own tiles are stored.
+                chain.zero_()
+                raise
 
         return run
 
