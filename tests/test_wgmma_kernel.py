@@ -41,7 +41,8 @@ def test_workspace_and_ctas_by_schedule():
     assert split.uses_workspace and split.workspace_shape(100, QKVG_TP8) == (2, 100, QKVG_TP8)
     assert split.ctas(QKVG_TP8, 100) == 96 * 2
     assert streamed.uses_workspace and streamed.workspace_shape(100, QKVG_TP8) == (264, 128, 64)
-    assert streamed.ctas(QKVG_TP8, 100) == streamed.ctas(QKVG_TP8, 256) == 132
+    assert streamed.ctas(QKVG_TP8, 100) == streamed.ctas(QKVG_TP8, 256) == streamed.counters(QKVG_TP8, 1000) == 132
+    assert split.counters(QKVG_TP8, 100) == 96
     assert not plain.uses_workspace and plain.ctas(QKVG_TP8, 100) == 96
 
 
@@ -49,7 +50,8 @@ def test_workspace_and_ctas_by_schedule():
 def test_stream_k_runs_cover_every_unit_once_with_at_most_two_partial_tiles(n, m, block_n):
     """The kernel's own run arithmetic (:meth:`WgmmaGemm._run_start`, ``_owner``) on integers: the runs of the
     CTAs cut the K-tile units of every tile in order, each CTA's run is at least one unit, ``_owner`` inverts
-    ``_run_start``, and only a run's first and last tiles can be partial, so two slots per CTA hold every partial."""
+    ``_run_start``, only a run's first and last tiles can be partial, so two slots per CTA hold every partial, and
+    the tiles several CTAs share have different first owners, whose counters they count on."""
     tactic = WgmmaTactic(block_n, 64, wgmma_block_t_for(m), 4, stream_k=132)
     gemm = WgmmaGemm(tactic, n, K, K, K)
     k_tiles = K // 64
@@ -62,6 +64,10 @@ def test_stream_k_runs_cover_every_unit_once_with_at_most_two_partial_tiles(n, m
         partial = [t for t in tiles if max(starts[c], t * k_tiles) > t * k_tiles
                    or min(starts[c + 1], (t + 1) * k_tiles) < (t + 1) * k_tiles]
         assert set(partial) <= {tiles[0], tiles[-1]}
+    shared = [t for t in range(units // k_tiles)
+              if gemm._owner(t * k_tiles, units) != gemm._owner(t * k_tiles + k_tiles - 1, units)]
+    first_owners = [gemm._owner(t * k_tiles, units) for t in shared]
+    assert len(set(first_owners)) == len(first_owners) and all(c < 132 for c in first_owners)
 
 
 def test_threads_and_shared_memory():
@@ -84,6 +90,8 @@ def test_threads_and_shared_memory():
         (WgmmaTactic(split_k=3), QKVG_TP8, K, K, "split_k=3 must divide the 112 K-tiles"),
         (WgmmaTactic(split_k=2, stream_k=132), QKVG_TP8, K, K, "stream_k=132 must be 0 or a CTA count, with split_k=1"),
         (WgmmaTactic(64, 128, 32, 4, stream_k=200), FAB, K, K, "stream_k=200 CTAs > the 168 K-tiles"),
+        (WgmmaTactic(256, 64, 64, 4, stream_k=132), QKVG_TP8, K, K, "stream-K takes 64- or 128-row tiles"),
+        (WgmmaTactic(64, 64, 32, 4, stream_k=300), QKVG_TP8, K, K, "at most 254 CTAs"),
         (WgmmaTactic(128, 64, 256, 6), QKVG_TP8, K, K, "shared memory"),
         (WgmmaTactic(), QKVG_TP8, K, 7172, "x row stride 7172"),
     ],

@@ -148,6 +148,10 @@ class Tactic:
         """CTAs of one launch over ``n`` rows and ``m`` tokens."""
         return output_tiles(self, n, m) * self.split_k
 
+    def counters(self, n: int, m: int) -> int:
+        """Arrival counters of one split-K launch over ``n`` rows and ``m`` tokens: one per output tile."""
+        return output_tiles(self, n, m)
+
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
         return (

@@ -77,6 +77,9 @@ MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
 REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per thread
+# Running sums stream-K's reduction holds beside the accumulator (whole tiles keep it live): with more, two consumer
+# warpgroups of 128 accumulators each spill, at most 168 registers per thread with 288 threads (ptxas, sm_90a).
+STREAM_K_REDUCE_REGISTERS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +102,8 @@ class WgmmaTactic:
         one per CTA, so every SM streams the same bytes with tiles of any height. A run covers whole tiles (stored
         directly) and at most two partial ones, whose fp32 partials go to the CTA's two workspace slots
         ``[2 * stream_k, block_t, block_n]``; the last of a tile's CTAs to count itself in sums them in CTA order
-        (deterministic whichever arrives last), stores the tile and resets its counter. With ``split_k == 1``.
+        (deterministic whichever arrives last), stores the tile and resets its counter (that of the tile's first
+        CTA: ``stream_k`` counters serve any number of tiles). With ``split_k == 1`` and 64- or 128-row tiles.
         Served where a plan names it and timed by the benchmark tools; not among the autotuner's candidates, since
         it has been compiled and checked on the CPU only, not yet run on a GPU.
     """
@@ -159,6 +163,11 @@ class WgmmaTactic:
         """CTAs of one launch over ``n`` rows and ``m`` tokens."""
         return self.stream_k or output_tiles(self, n, m) * self.split_k
 
+    def counters(self, n: int, m: int) -> int:
+        """Arrival counters of one launch over ``n`` rows and ``m`` tokens: one per output tile with split-K, one
+        per CTA with stream-K."""
+        return self.stream_k or output_tiles(self, n, m)
+
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
         streamed = f"c{self.stream_k}" if self.stream_k else ""
@@ -186,6 +195,9 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         return f"split_k={t.split_k} must divide the {k // t.block_k} K-tiles"
     if t.stream_k < 0 or (t.stream_k and t.split_k > 1):
         return f"stream_k={t.stream_k} must be 0 or a CTA count, with split_k=1 (got {t.split_k})"
+    if t.stream_k and (t.block_n > 128 or t.stream_k > SPLIT_K_COUNTERS):
+        return (f"stream_k={t.stream_k} with block_n={t.block_n}: stream-K takes 64- or 128-row tiles and at most "
+                f"{SPLIT_K_COUNTERS} CTAs (one arrival counter each)")
     if t.stream_k > row_blocks(n, t.block_n) * (k // t.block_k):
         return (f"stream_k={t.stream_k} CTAs > the {row_blocks(n, t.block_n) * (k // t.block_k)} K-tiles of one "
                 "token tile: some would have no work")
@@ -547,20 +559,22 @@ class WgmmaGemm:
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if self._in_bounds(t_co[i], m_tokens):
                     own[i] = acc[i]
+            # A tile shared by several CTAs counts on the counter of its first owner: that CTA's run ends in it, and a
+            # run ends in one tile only, so the stream_k counters serve any number of tiles.
+            owner = self._owner(tile * k_tiles, units)
+            owners = self._owner(tile * k_tiles + k_tiles - 1, units) - owner + 1
             # Release: every thread's partial is visible device-wide before thread 0 counts the CTA in.
             cute.arch.fence_acq_rel_gpu()
             self._consumers_sync()
             if tidx == 0:
-                s_last[0] = cute.arch.atomic_add(m_arrivals.iterator + tile, cutlass.Int32(1), sem="acq_rel",
+                s_last[0] = cute.arch.atomic_add(m_arrivals.iterator + owner, cutlass.Int32(1), sem="acq_rel",
                                                  scope="gpu")
             self._consumers_sync()
-            owner = self._owner(tile * k_tiles, units)
-            owners = self._owner(tile * k_tiles + k_tiles - 1, units) - owner + 1
             if s_last[0] == owners - 1:
                 cute.arch.fence_acq_rel_gpu()
                 # In chunks that bound the registers held beside the accumulator: each chunk's sum over the CTAs
                 # in order (this CTA's part from its registers) replaces it in ``acc``.
-                chunk = min(REDUCE_REGISTERS // 2, cute.size(acc))
+                chunk = min(STREAM_K_REDUCE_REGISTERS, cute.size(acc))
                 total = cute.make_rmem_tensor(cute.make_layout(chunk), cutlass.Float32)
                 for start in cutlass.range_constexpr(0, cute.size(acc), chunk):
                     count = min(chunk, cute.size(acc) - start)
@@ -588,7 +602,7 @@ class WgmmaGemm:
                 self._store_fragment(acc, t_go, t_co, m_tokens)
                 if tidx == 0:
                     # Stream order makes the reset visible to the next kernel that uses these counters.
-                    m_arrivals[tile] = 0
+                    m_arrivals[owner] = 0
 
     @cute.jit
     def _store_fragment(self, acc, t_go, t_co, m_tokens):

@@ -233,9 +233,9 @@ def _workspace_operands(
     tactic: AnyTactic, m: int, n: int, stream: torch.cuda.Stream
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A split-K or stream-K launch's fp32 workspace (:meth:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic.
-    workspace_shape`) and ``stream``'s arrival counters, one per output tile."""
+    workspace_shape`) and ``stream``'s arrival counters."""
     workspace = torch.empty(tactic.workspace_shape(m, n), device=stream.device, dtype=torch.float32)
-    return workspace, arrival_counters.for_stream(stream, output_tiles(tactic, n, m))
+    return workspace, arrival_counters.for_stream(stream, tactic.counters(n, m))
 
 
 def launch(
