@@ -42,6 +42,7 @@ from kda_backend.plugins import hooks
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.base import ROLES
 from kda_backend.providers.cute_provider import launch
+from kda_backend.reference import reference_projection
 from kda_backend.timing import graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
 
@@ -103,11 +104,36 @@ def tactic_error(weights: list[ProjectionWeights], role: str, tactic: AnyTactic,
     x = torch.randn(m, x_row_stride, device=w.device, dtype=torch.bfloat16)[:, :k]
     out = torch.full((m, n), float("nan"), device=w.device, dtype=torch.bfloat16)
     launch(for_m(tactic, m), x, w, out)
+    return output_error(out, x.float() @ w.float().t())
+
+
+def output_error(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """Why ``out`` is not ``ref`` (fp32) as a bf16 result, or ``None``: a NaN (a part left unwritten after the
+    output was poisoned), or a relative error above :data:`CANDIDATE_TOLERANCE`."""
     if out.isnan().any():
         return "NaN in its output"
-    ref = x.float() @ w.float().t()
     error = ((out.float() - ref).norm() / ref.norm()).item()
     return None if error <= CANDIDATE_TOLERANCE else f"relative error {error:.2g} > {CANDIDATE_TOLERANCE}"
+
+
+def step_error(weights: list[ProjectionWeights], step: Step, m: int, tactics: TacticTable) -> str | None:
+    """Why ``step`` must not serve ``m`` tokens, or ``None``: the stage as it is wired (its views, strides and side
+    chain, beyond each kernel that :func:`tactic_error` checks), run once into output buffers poisoned with NaN
+    and once allocating its outputs (the packed path, where the weights are packed), against the fp32 reference on
+    random activations (:func:`output_error` for qkvg, g1 and beta)."""
+    w = weights[0]
+    g = w.geometry
+    proj = KDAProjection(w, Plan(steps={m: step}, source="candidate", tactics=tactics))
+    x = torch.randn(m, g.hidden_size, device=w.device, dtype=torch.bfloat16)
+    ref = reference_projection(x, w.w_qkvg, w.w_fab, w.w_fb, g)
+    buffers = [torch.full((m, cols), float("nan"), device=w.device, dtype=torch.bfloat16)
+               for cols in (g.qkvg_rows, g.fab_rows, g.local_width)]
+    for outs in (proj(x, *buffers), proj(x)):
+        for name, out, expect in zip(("qkvg", "g1", "beta"), outs, ref):
+            reason = output_error(out, expect)
+            if reason is not None:
+                return f"{name}: {reason}"
+    return None
 
 
 def verified(
@@ -384,8 +410,8 @@ def tune_plan(
     progress: Callable[[str], None] = lambda _: None,
     tactics: TacticTable | None = None,
 ) -> tuple[Plan, dict[int, dict[str, float]]]:
-    """Per M, the fastest step with CuTe ``tactics`` (which the plan keeps); also returns every candidate's time
-    (seconds per layer) for reports."""
+    """Per M, the fastest step with CuTe ``tactics`` (which the plan keeps) among those that compute right
+    (:func:`step_error`); also returns every candidate's time (seconds per layer) for reports."""
     tactics = tactics or {}
     steps: dict[int, Step] = {}
     timings: dict[int, dict[str, float]] = {}
@@ -393,9 +419,16 @@ def tune_plan(
         results = []
         for step in step_candidates(m, usable_providers(weights[0], m, tactics)):
             try:
+                reason = step_error(weights, step, m, tactics)
+                if reason is not None:
+                    progress(f"M={m} {_step_label(step)} dropped: {reason}")
+                    continue
                 results.append((time_step(weights, step, m, tactics), step))
             except Exception as exc:  # a candidate that cannot run is not a plan; report it and go on
                 progress(f"M={m} {step} failed: {type(exc).__name__}: {exc}")
+        if not results:
+            raise RuntimeError(f"no projection step computed right at M={m} on this device, sequential cuBLAS "
+                               "included; the device or its libraries are at fault")
         best_time, best = min(results, key=lambda r: r[0])
         steps[m] = best
         timings[m] = {_step_label(s): t for t, s in results}

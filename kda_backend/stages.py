@@ -17,6 +17,7 @@ drop that provider and rebuild the stage.
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 
 from kda_backend.log import warn_once

@@ -347,3 +347,38 @@ def test_build_projection_names_bad_batch_sizes():
     with pytest.raises(ValueError, match=r"batch_sizes: \[0, 4\]"):
         build_projection(_weights(TINY), batch_sizes=[0, 4])
     assert build_projection(_weights(TINY), batch_sizes=[4, 1]).plan.source == "cpu"
+
+
+class _Doubling(GemmProvider):
+    """Serves every GEMM on the CPU and gets it wrong: twice the product."""
+
+    name, priority = "doubling", 70
+
+    def why_not(self, call):
+        return None
+
+    def run(self, role, x, w, out):
+        torch.mm(x, w.t(), out=out)
+        out.mul_(2)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_autotuner_never_times_or_keeps_a_step_that_computes_wrongly(monkeypatch, packed):
+    """Before a step is timed, the stage as wired runs once into NaN-poisoned buffers and once allocating its
+    outputs, against the fp32 reference: every step that uses a provider that computes wrongly is reported and
+    dropped, however fast, and the plan keeps the right ones."""
+    from kda_backend import autotune
+
+    register_plugin(_Plugin(_Doubling()), "doubling")
+    timed = []
+
+    def time_step(weights, step, m, tactics):
+        timed.append(step)
+        return 1e-6 if "doubling" in (step.qkvg, step.fab) else 2e-6
+
+    monkeypatch.setattr(autotune, "time_step", time_step)
+    lines = []
+    plan, _ = autotune.tune_plan([_weights(TINY, packed=packed)], [2, 5], progress=lines.append)
+    assert timed and not any("doubling" in (s.qkvg, s.fab, s.fb) for s in timed)
+    assert all("doubling" not in (plan.step(m).qkvg, plan.step(m).fab) for m in (2, 5))
+    assert any(line.startswith("M=2 seq:doubling/doubling dropped: qkvg: relative error") for line in lines)
