@@ -89,7 +89,7 @@ def time_tactic(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, 
     device, c = weights[0].device, len(weights)
     x_views = [torch.randn(m, x_row_stride, device=device, dtype=torch.bfloat16)[:, :k] for _ in range(c)]
     outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(c)]
-    w_role = [{"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}[role] for w in weights]
+    w_role = [w.of_role(role) for w in weights]
     tactic = for_m(tactic, m)  # the token tile a wgmma tactic runs m with
     return graph_time_per_layer(lambda i: launch(tactic, x_views[i % c], w_role[i % c], outs[i % c]), layers=LAYERS)
 
@@ -100,7 +100,7 @@ def tactic_error(weights: list[ProjectionWeights], role: str, tactic: AnyTactic,
     unwritten) or a relative error above :data:`CANDIDATE_TOLERANCE`. Every candidate is checked before it is timed,
     so a kernel that computes wrongly on this device is never the fastest."""
     n, k, x_row_stride = _role_shapes(weights[0].geometry)[role]
-    w = {"qkvg": weights[0].w_qkvg, "fab": weights[0].w_fab, "fb": weights[0].w_fb}[role]
+    w = weights[0].of_role(role)
     x = torch.randn(m, x_row_stride, device=w.device, dtype=torch.bfloat16)[:, :k]
     out = torch.full((m, n), float("nan"), device=w.device, dtype=torch.bfloat16)
     launch(for_m(tactic, m), x, w, out)

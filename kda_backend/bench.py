@@ -82,8 +82,7 @@ def _gemm_time(weights, role: str, m: int, provider: str, plan: Plan) -> tuple[f
 
     g = weights[0].geometry
     device = weights[0].device
-    pick = {"qkvg": lambda w: w.w_qkvg, "fab": lambda w: w.w_fab, "fb": lambda w: w.w_fb}[role]
-    n, k = pick(weights[0]).shape
+    n, k = weights[0].of_role(role).shape
     xs_stride = g.fab_rows if role == "fb" else g.hidden_size
     xs = [torch.randn(m, xs_stride, device=device, dtype=torch.bfloat16)[:, :k] for _ in weights]
     outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]
@@ -95,11 +94,11 @@ def _gemm_time(weights, role: str, m: int, provider: str, plan: Plan) -> tuple[f
         ctas = tactic.ctas(n, m)
 
         def run(i: int) -> None:
-            launch(tactic, xs[i % len(xs)], pick(weights[i % len(weights)]), outs[i % len(outs)])
+            launch(tactic, xs[i % len(xs)], weights[i % len(weights)].of_role(role), outs[i % len(outs)])
     else:
 
         def run(i: int) -> None:
-            torch.mm(xs[i % len(xs)], pick(weights[i % len(weights)]).t(), out=outs[i % len(outs)])
+            torch.mm(xs[i % len(xs)], weights[i % len(weights)].of_role(role).t(), out=outs[i % len(outs)])
 
     return graph_time_per_layer(run, layers=LAYERS), tactic, ctas
 

@@ -68,7 +68,7 @@ class KDAProjection:
     def gemm_call(self, role: str, m: int) -> GemmCall:
         """The GEMM ``role`` performs at ``m`` tokens, with the strides the real operands will have."""
         g, w = self.geometry, self.weights
-        weight = {"qkvg": w.w_qkvg, "fab": w.w_fab, "fb": w.w_fb}[role]
+        weight = w.of_role(role)
         device = w.device
         n, k = weight.shape
         return GemmCall(

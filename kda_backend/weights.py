@@ -95,3 +95,7 @@ class ProjectionWeights:
     @property
     def device(self) -> torch.device:
         return self.w_qkvg.device
+
+    def of_role(self, role: str) -> torch.Tensor:
+        """The weight of the GEMM ``role`` (``qkvg``, ``fab`` or ``fb``)."""
+        return {"qkvg": self.w_qkvg, "fab": self.w_fab, "fb": self.w_fb}[role]
