@@ -3,8 +3,9 @@
 A plan has steps for the M values it was tuned for. An M between two tuned ones borrows the step of the next larger
 tuned M: its kernels were tuned for at least as many tokens (the CuTe tactics come in buckets of M that the larger
 M's bucket covers), and both engines pad a batch up to the next captured size anyway, so that step is the one that
-runs. Above the largest tuned M the plan's ``fallback`` step serves (by default sequential with providers chosen
-automatically by :mod:`kda_backend.dispatch`; ``"auto"`` as a provider name means the same).
+runs. Above the largest tuned M the plan's ``fallback`` step serves a standalone projection (by default sequential
+with providers chosen automatically by :mod:`kda_backend.dispatch`; ``"auto"`` as a provider name means the same);
+an engine adapter keeps the engine's own path there (:meth:`Plan.covers`).
 
 Plans arrive from files, from the environment and from other ranks (``kda_share_plan``), so :meth:`Plan.from_json`
 and :meth:`Step.from_json` read a typed schema: an unknown field, a value of the wrong JSON type (``"false"`` for a
@@ -183,7 +184,8 @@ class Step:
 
 
 DEFAULT_STEP = Step()
-# What serves when no tuned plan exists: the engines' own sequential cuBLAS path.
+# What a standalone projection runs when no tuned plan exists (an engine adapter keeps the engine's own path there,
+# see Plan.covers): sequential cuBLAS.
 SEQUENTIAL_TORCH = Step(overlap=False, qkvg="torch", fab="torch", fb="torch")
 
 
@@ -213,6 +215,12 @@ class Plan:
     @property
     def max_m(self) -> int:
         return max(self.steps, default=0)
+
+    def covers(self, m: int) -> bool:
+        """Whether a step of the plan serves ``m`` tokens (tuned for it, or borrowed from a larger tuned M), not the
+        fallback: where none does (no tuned plan, or M above the largest tuned one) an engine adapter keeps the
+        engine's own path for the call, whose speed the plan was never measured against there."""
+        return m <= self.max_m
 
     def tactic_for(self, role: str, n: int, k: int, m: int) -> AnyTactic | None:
         """The tuned tactic of ``role``'s ``[n, k]`` GEMM at ``m`` tokens: its bucket's, else (no single-token

@@ -1,8 +1,9 @@
 """Which plan a projection runs: forced by the environment, stored for this device, tuned now, or the safe default.
 
 Order: ``KDA_BACKEND_PLAN`` (``sequential``, ``overlap`` or a plan file) > the stored plan for this device key >
-tuning now when ``KDA_BACKEND_AUTOTUNE=1`` (then stored) > sequential cuBLAS with one warning. The result passes
-through the ``kda_share_plan`` hook so every tensor-parallel rank runs the same plan.
+tuning now when ``KDA_BACKEND_AUTOTUNE=1`` (then stored) > no steps, with one warning: an engine adapter keeps the
+engine's own path at every M (:meth:`~kda_backend.plan.Plan.covers`), a standalone projection runs sequential cuBLAS.
+The result passes through the ``kda_share_plan`` hook so every tensor-parallel rank runs the same plan.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
 
     found = forced_plan(expected_key(geometry, device, dtype))
     if found is None and device.type != "cuda":
-        return Plan(source="cpu")
+        # Every M up to the forced plans' bound, on the providers that serve a CPU (torch).
+        return Plan.uniform(FORCED_MAX_M, Step(overlap=False), source="cpu")
     if found is None:
         key = plan_store.device_key(geometry, device, dtype)
         found = plan_store.load(key)
@@ -113,8 +115,9 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
     if found is None:
         warn_once(
             f"no-plan-{geometry}",
-            f"no tuned plan for {torch.cuda.get_device_name(device)} tp{geometry.tp_size}: running sequential "
-            "cuBLAS; run `kda-backend autotune` (or set KDA_BACKEND_AUTOTUNE=1) for the fast path",
+            f"no tuned plan for {torch.cuda.get_device_name(device)} tp{geometry.tp_size}: an engine keeps its own "
+            "path at every batch size (a standalone projection runs sequential cuBLAS); run `kda-backend autotune` "
+            "(or set KDA_BACKEND_AUTOTUNE=1) for the fast path",
         )
         found = Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH)
     plan = share(found)
@@ -137,7 +140,8 @@ def _report_coverage(plan: Plan, sizes: tuple[int, ...]) -> None:
                           "(`kda-backend autotune --ms` or KDA_BACKEND_AUTOTUNE=1 tunes them)", spans(borrowed))
     if beyond:
         warn_once(f"beyond-{plan.max_m}-{beyond}", f"batch sizes M = {spans(beyond)} are above the plan's largest "
-                  f"tuned M ({plan.max_m}): they run its fallback ({plan.fallback.mode}, qkvg={plan.fallback.qkvg})")
+                  f"tuned M ({plan.max_m}): the engine keeps its own path for them (a standalone projection runs "
+                  f"the plan's fallback, {plan.fallback.mode} with qkvg={plan.fallback.qkvg})")
 
 
 def share(plan: Plan) -> Plan:

@@ -123,6 +123,12 @@ class KDAProjection:
         names it."""
         return dispatch.is_forced(role) or (self.plan.tuned(m) and self.plan.step(m).provider(role) != AUTO)
 
+    def serves(self, m: int) -> bool:
+        """Whether the plan has a step for ``m`` tokens (:meth:`~kda_backend.plan.Plan.covers`). An engine adapter
+        keeps the engine's own path where it has none (no tuned plan, or M above the largest tuned one): the plan was
+        never measured against it there. A standalone call runs the plan's fallback."""
+        return self.plan.covers(m)
+
     def stage(self, m: int) -> SequentialStage:
         """The stage serving ``m`` tokens (built and compiled on first use)."""
         return self._stage_pair(m)[0]

@@ -30,10 +30,10 @@ def test_each_stream_gets_its_own_row_and_keeps_it(counters):
 
 
 def test_chain_counters_are_the_row_tail_split_k_never_reaches(counters):
-    """The trailing side chain's pair and split-K's counters share a stream's row without overlapping."""
+    """The trailing side chain's three counters and split-K's share a stream's row without overlapping."""
     split = counters.for_stream(FakeStream(0, 11), tiles=ac.SPLIT_K_COUNTERS)
     chain = counters.chain_for_stream(FakeStream(0, 11))
-    assert chain.shape == (ac.CHAIN_COUNTERS,)
+    assert chain.shape == (ac.CHAIN_COUNTERS,) == (3,)
     assert chain.data_ptr() == split.data_ptr() + split.numel() * split.element_size()
     assert chain.data_ptr() != counters.chain_for_stream(FakeStream(0, 22)).data_ptr()
 

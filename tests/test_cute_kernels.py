@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kda_backend.geometry import preset, valid_tp_sizes
-from kda_backend.kernels.compile_cache import KernelKey, compile_gemm, target_arch
+from kda_backend.kernels.compile_cache import KernelKey, SideChainKey, compile_gemm, target_arch
+from kda_backend.kernels.side_chain_gemm import why_not_one_launch
 from kda_backend.kernels.skinny_gemm import (
     Link,
     Tactic,
@@ -252,12 +253,12 @@ ROLE_OPERANDS = {  # (role, tactic, link) -> what the kernel takes after x, w an
     ("fab", Tactic(16, 128, 16, 3, split_k=14), Link()):
         "m_work: Tensor([14, n0, 144], float32), m_arrivals: Tensor([n1], int32), m_chain: None, expected: None",
     ("fab", Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), Link(signals=True, x_ready=True)):
-        "m_work: Tensor([14, n0, 144], float32), m_arrivals: Tensor([n1], int32), m_chain: Tensor([2], int32), "
+        "m_work: Tensor([14, n0, 144], float32), m_arrivals: Tensor([n1], int32), m_chain: Tensor([3], int32), "
         "expected: None",
     ("fab", Tactic(16, 256, 16, 4, x_via_l1=False), Link(signals=True, x_ready=True)):
-        "m_work: None, m_arrivals: None, m_chain: Tensor([2], int32), expected: None",
+        "m_work: None, m_arrivals: None, m_chain: Tensor([3], int32), expected: None",
     ("fb", Tactic(16, 128, 16, 2, x_via_l1=False), Link(waits=True)):
-        "m_work: None, m_arrivals: None, m_chain: Tensor([2], int32), expected: int32",
+        "m_work: None, m_arrivals: None, m_chain: Tensor([3], int32), expected: int32",
 }
 
 
@@ -297,7 +298,7 @@ def test_tma_excludes_l1_path():
 def _compile_and_dump(key: KernelKey, dump_dir, keep: str = "ptx") -> str:
     """Compile ``key`` in a fresh process with the DSL keeping ``keep`` artifacts in ``dump_dir``; its PTX text."""
     code = (
-        "from kda_backend.kernels.compile_cache import KernelKey, compile_gemm\n"
+        "from kda_backend.kernels.compile_cache import KernelKey, SideChainKey, compile_gemm\n"
         "from kda_backend.kernels.skinny_gemm import Link, Tactic\n"
         "from kda_backend.kernels.wgmma_gemm import WgmmaTactic\n"
         f"compile_gemm({key!r})\n"
@@ -602,6 +603,49 @@ def test_trailing_side_chain_kernels_order_their_signal_and_wait(arch, tmp_path)
     final_wait = waiting.index("griddepcontrol.wait")
     assert release < poll < fence < count_out < final_wait
     assert "cp.async" in waiting[fence:count_out] and "ld.acquire" not in waiting
+
+
+def test_side_chain_runs_as_one_launch_where_its_tactics_allow():
+    """F_A/beta and F_B trail QKVG as one launch where their tactics run one thread count, both launch
+    programmatically and load activations by cp.async; the defaults and the tuned H200 tactics at M <= 16 do."""
+    fab, fb = Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), Tactic(16, 128, 16, 2, x_via_l1=False)
+    assert why_not_one_launch(fab, fb) is None
+    assert "runs 64 threads" in why_not_one_launch(Tactic(48, 128, 16, 4, x_via_l1=False, split_k=4), fb)
+    assert "programmatic launch" in why_not_one_launch(dataclasses.replace(fab, pdl=False), fb)
+    assert "cp.async only" in why_not_one_launch(dataclasses.replace(fab, x_tma=True), fb)
+    assert "loads x from L2 only" in why_not_one_launch(fab, dataclasses.replace(fb, x_via_l1=True))
+    p = CuteDslProvider()
+    for tp in (4, 8, 16):
+        for m in (1, 16, 64):
+            calls = {role: dataclasses.replace(call, m=m) for role, call in _stage_calls(tp, row_multiple=8).items()}
+            assert why_not_one_launch(*p.trailing_tactics(calls)) is None, (tp, m)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", [8, 16], ids=lambda t: f"tp{t}")
+def test_side_chain_in_one_launch_draws_tickets_waits_and_counts_out(arch, tp, tmp_path):
+    """The trailing side chain as one launch (SGLang's partial F_A/beta at TP16 too): each CTA draws its ticket
+    before any load; F_A/beta's tiles release the next launch and count each stored tile in; F_B's poll the count
+    with relaxed loads and fence once before loading f_a; every CTA then counts out (acquire-release), the last
+    resets the three chain counters, and only then does the launch wait for QKVG's to complete."""
+    roles = _roles(tp, row_multiple=8)
+    n, k, xs = roles["fab"]
+    fb_n, d, fb_xs = roles["fb"]
+    assert fb_xs == n
+    calls = _stage_calls(tp, row_multiple=8)
+    fab, fb = CuteDslProvider().trailing_tactics(calls)
+    text = _compile_and_dump(SideChainKey(KernelKey(fab, n, k, xs, k, arch), fb, fb_n, d, d), tmp_path)
+    ticket = text.index("atom.global.add.u32")
+    assert ticket < text.index("cp.async") and ticket < text.index("griddepcontrol.launch_dependents")
+    assert text.count("griddepcontrol.launch_dependents") == 2 and text.count("griddepcontrol.wait") == 1
+    signal = text.index("atom.global.release.add")
+    poll = text.index("ld.relaxed.gpu.global")
+    assert "cp.async" in text[text.index("fence.acq_rel.gpu", poll):] and "ld.acquire" not in text
+    count_out = text.rindex("atom.global.acq_rel.add")
+    final_wait = text.index("griddepcontrol.wait")
+    assert max(signal, poll) < count_out < final_wait
+    resets = re.findall(r"st\.global\.b32\s+\[(%rd\d+)(?:\+(\d+))?\], 0;", text[count_out:final_wait])
+    assert len({reg for reg, _ in resets}) == 1 and sorted(int(off or 0) for _, off in resets) == [0, 4, 8]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

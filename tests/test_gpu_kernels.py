@@ -9,6 +9,7 @@ import torch
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
+from kda_backend.kernels.side_chain_gemm import why_not_one_launch
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles
 from kda_backend.kernels.tactics import tactic_bucket
@@ -258,12 +259,31 @@ def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path):
                                         Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
 def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
-    """F_A/beta and F_B trailing QKVG on one stream (the provider's trailing side chain with these tactics)
-    compute exactly what the plain kernels do (what the forked side chain runs), and leave the chain counters at
-    zero; one launcher serves both trailing runs."""
-    g = preset("kimi-k3", 8)
+    """F_A/beta and F_B trailing QKVG on one stream (the provider's trailing side chain with these tactics: one
+    launch for the 16-row cp.async ones, two for the others) compute exactly what the plain kernels do (what the
+    forked side chain runs), and leave the chain counters at zero; one launcher serves both trailing runs."""
     fab_tactic = dataclasses.replace(fab_tactic, block_t=block_t_for(m))
     fb_tactic = Tactic(16, 128, block_t_for(m), 2, x_via_l1=False)
+    one_launch = fab_tactic.block_n == 16 and not fab_tactic.x_tma
+    assert (why_not_one_launch(fab_tactic, fb_tactic) is None) == one_launch
+    _check_trailing_side_chain(m, fab_tactic, fb_tactic)
+
+
+@pytest.mark.parametrize("fab_tactic", [Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14),
+                                        Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
+@pytest.mark.parametrize("m", [17, 40, 64], ids=lambda m: f"M{m}")
+def test_side_chain_in_one_launch_over_several_token_tiles(fab_tactic, m):
+    """The one-launch side chain with 16-token tiles over up to four of them, F_A/beta's tiles (with and without
+    split-K) and F_B's each drawn by ticket: the plain kernels' bits, counters left at zero."""
+    fb_tactic = Tactic(16, 128, 16, 3, x_via_l1=False)
+    assert why_not_one_launch(fab_tactic, fb_tactic) is None
+    _check_trailing_side_chain(m, fab_tactic, fb_tactic)
+
+
+def _check_trailing_side_chain(m: int, fab_tactic: Tactic, fb_tactic: Tactic) -> None:
+    """Three runs of QKVG and the side chain from NaN-poisoned outputs, the first with the plain kernels, then
+    twice trailing (the provider's launcher with these tactics): fp32-close, bitwise equal, counters zero after."""
+    g = preset("kimi-k3", 8)
     provider = TunedProvider({("fab", g.fab_rows, g.hidden_size, tactic_bucket(m)): fab_tactic,
                               ("fb", g.local_width, g.head_dim, tactic_bucket(m)): fb_tactic})
     x = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)

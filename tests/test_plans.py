@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from kda_backend import hookimpl, plan_store, register_plugin
+from kda_backend import hookimpl, plan_store, planning, register_plugin
 from kda_backend.geometry import preset
 from kda_backend.kernels.skinny_gemm import Tactic
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
@@ -117,8 +117,20 @@ def test_forced_plans(tmp_path, monkeypatch):
 
 
 def test_resolve_on_cpu_is_the_automatic_plan():
+    """On a CPU every M up to the forced plans' bound has the sequential step with automatic providers (an engine
+    adapter's layer serves there), and nothing above it."""
     plan = resolve_plan(G, torch.device("cpu"))
-    assert plan.source == "cpu" and plan.steps == {}
+    assert plan.source == "cpu" and set(plan.steps) == set(range(1, planning.FORCED_MAX_M + 1))
+    assert set(plan.steps.values()) == {Step(overlap=False)}
+    assert plan.covers(planning.FORCED_MAX_M) and not plan.covers(planning.FORCED_MAX_M + 1)
+
+
+def test_a_plan_covers_its_tuned_and_borrowed_m_only():
+    """What an engine adapter asks before serving a call: a step for M, tuned or borrowed from a larger tuned M;
+    no tuned plan covers nothing."""
+    plan = Plan(steps={8: Step(True), 32: Step(False)}, fallback=SEQUENTIAL_TORCH)
+    assert [m for m in (1, 8, 9, 32, 33, 256) if plan.covers(m)] == [1, 8, 9, 32]
+    assert not Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH).covers(1)
 
 
 def test_resolve_miss_falls_back_to_sequential_torch_with_one_warning(tmp_path, monkeypatch, kda_log):
@@ -127,7 +139,7 @@ def test_resolve_miss_falls_back_to_sequential_torch_with_one_warning(tmp_path, 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU")
     for _ in range(2):
         plan = resolve_plan(G, torch.device("cuda", 0))
-        assert plan.step(4) == SEQUENTIAL_TORCH
+        assert plan.step(4) == SEQUENTIAL_TORCH and not plan.covers(1)
     assert len([m for m in kda_log.messages() if "no tuned plan" in m]) == 1
 
 

@@ -6,6 +6,7 @@ import torch
 from numerics import assert_close, poisoned
 
 from kda_backend.kernels import compile_cache
+from kda_backend.kernels.arrival_counters import SPLIT_K_COUNTERS
 from kda_backend.kernels.compile_cache import KernelKey, compile_gemm
 from kda_backend.kernels.skinny_gemm import Link, output_tiles
 from kda_backend.kernels.wgmma_gemm import (
@@ -91,7 +92,7 @@ def test_threads_and_shared_memory():
         (WgmmaTactic(split_k=2, stream_k=132), QKVG_TP8, K, K, "stream_k=132 must be 0 or a CTA count, with split_k=1"),
         (WgmmaTactic(64, 128, 32, 4, stream_k=200), FAB, K, K, "stream_k=200 CTAs > the 168 K-tiles"),
         (WgmmaTactic(256, 64, 64, 4, stream_k=132), QKVG_TP8, K, K, "stream-K takes 64- or 128-row tiles"),
-        (WgmmaTactic(64, 64, 32, 4, stream_k=300), QKVG_TP8, K, K, "at most 254 CTAs"),
+        (WgmmaTactic(64, 64, 32, 4, stream_k=300), QKVG_TP8, K, K, f"at most {SPLIT_K_COUNTERS} CTAs"),
         (WgmmaTactic(128, 64, 256, 6), QKVG_TP8, K, K, "shared memory"),
         (WgmmaTactic(), QKVG_TP8, K, 7172, "x row stride 7172"),
     ],
@@ -123,7 +124,7 @@ def test_candidates_are_valid_and_include_default(n, m):
         assert validate_wgmma_tactic(tactic, n, K, K) is None
         assert tactic.block_t >= min(m, MAX_TOKEN_TILE)
         if tactic.uses_workspace:
-            assert wgmma_output_tiles(tactic, n, m) == output_tiles(tactic, n, m) <= 254
+            assert wgmma_output_tiles(tactic, n, m) == output_tiles(tactic, n, m) <= SPLIT_K_COUNTERS
 
 
 def test_skinny_n_is_split_to_fill_the_sms():

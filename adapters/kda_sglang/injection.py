@@ -81,11 +81,21 @@ def graph_token_counts() -> tuple[int, ...]:
         return ()
     decode = config.decode
     algorithm = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
-    per_request = (
-        resolve_num_tokens_per_req(phase="target_verify", spec_algorithm=algorithm)
-        if algorithm.is_speculative() else 1
-    )
+    per_request = 1
+    if algorithm.is_speculative():
+        # None where an algorithm sets no verify width (not Kimi-K3's): its graphs then run the batch sizes as given.
+        per_request = resolve_num_tokens_per_req(phase="target_verify", spec_algorithm=algorithm) or 1
     return tuple(sorted({bs * per_request for bs in decode.bs}))
+
+
+def deterministic_inference() -> bool:
+    """Whether SGLang runs with ``--enable-deterministic-inference`` (``False`` where nothing is published)."""
+    from sglang.srt.runtime_context import get_exec
+
+    try:
+        return bool(get_exec().deterministic.enable_deterministic_inference)
+    except ValueError:  # nothing published in this process
+        return False
 
 
 class SglangHost:

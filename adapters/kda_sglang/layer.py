@@ -4,7 +4,9 @@ Installed with ``HookRegistry`` REPLACE of ``sglang.srt.models.kimi_k3.KimiK3Del
 ``post_load_weights`` isinstance checks and ``_merge_bfa_weights`` still run. Under ``--attention-backend kda`` the
 projection is built right after that merge, at load time on every rank together (its plan is broadcast over the
 tensor-parallel group), over zero-copy views of ``fused_qkvg_proj.weight`` (QKVG), the merged ``_bfa_w``
-([f_a | b | pad to 8 rows], F_A/beta) and ``_bfa_f_b_w`` (F_B). A forward never builds or communicates: ranks that
+([f_a | b | pad to 8 rows], F_A/beta) and ``_bfa_f_b_w`` (F_B). SGLang's own method serves where the projection
+cannot (one warning says why) and for any M its plan has no step for (no tuned plan, or M above the largest tuned
+one). A forward never builds or communicates: ranks that
 skip self-attention in a step (DP attention) cannot leave the others waiting.
 """
 
@@ -15,7 +17,7 @@ from sglang.srt.models.kimi_k3 import KimiK3DeltaAttention
 
 from kda_backend import KDAGeometry, KDAProjection, ProjectionWeights, build_projection
 from kda_backend.log import get_logger, warn_once
-from kda_sglang.injection import graph_token_counts, kda_selected
+from kda_sglang.injection import deterministic_inference, graph_token_counts, kda_selected
 
 # SGLang pads the merged [f_a | b] weight to a multiple of 8 rows (_merge_bfa_weights): 144 rows at TP8, 136 at TP16.
 SGLANG_FAB_ROW_MULTIPLE = 8
@@ -44,6 +46,9 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         if is_hip():
             # SGLang runs its own fused ROCm in-projection and decode there; the core's kernels are CUDA-only.
             return "ROCm: SGLang's own ROCm projection serves"
+        if deterministic_inference():
+            # SGLang then promises results independent of the batch; kda-backend's kernels pick tactics per M.
+            return "--enable-deterministic-inference: SGLang's deterministic path serves"
         if not self.use_full_rank_gate:
             return "the layer has no full-rank gate (Kimi-Linear)"
         if self._bfa_w is None or self._bfa_f_b_w is None:
@@ -95,7 +100,9 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
             one ``[M, 4*hD]`` output, beta and f_a views into the ``[M, fab_rows]`` F_A/beta output, as SGLang's.
         """
         projection = self._kda_projection
-        if projection is None:
+        if projection is None or not projection.serves(hidden_states.shape[0]):
+            # No projection, or no tuned step for this M (no tuned plan, or M above the largest tuned one: the
+            # plan's resolution said so once): SGLang's own method, its overlap included.
             return super().forward_qkvbfg_fused(hidden_states, defer_f_b=defer_f_b)
         g = projection.geometry
         fab = hidden_states.new_empty(hidden_states.shape[0], g.fab_rows)

@@ -57,12 +57,9 @@ def inject() -> None:
 
         if not adapter_enabled("vllm", TESTED_VERSION_PREFIX):
             return
-        from kda_backend.log import get_logger
-
         from kda_vllm.injection import install
 
-        if install():
-            get_logger().info("vLLM: Kimi-K3 KDA layers use kda-backend's projection stage")
+        install()  # the first layer built says so (a Kimi-Linear model of these classes builds none)
     except Exception:
         from kda_vllm import log_failure
 

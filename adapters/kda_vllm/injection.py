@@ -53,9 +53,10 @@ def install() -> bool:
 
     from kda_vllm.layer import KdaBackendKimiK3DeltaAttention
 
-    if current_platform.is_rocm():
-        # vLLM's AMD model has its own class of the same name; the registry is keyed by that name.
-        get_logger().info("vLLM on ROCm: kda-backend does not inject (CUDA only)")
+    if current_platform.is_rocm() or current_platform.is_xpu() or current_platform.device_type == "tpu":
+        # vLLM builds its AMD (or the reference) KDA layer there, a class of the same name; the registry is keyed by
+        # that name, so a replacement would reach it too.
+        get_logger().info("vLLM on %s: kda-backend does not inject (CUDA only)", current_platform.device_type)
         return False
     registered = op_registry_oot.get(KimiK3DeltaAttention.__name__)
     if registered is KdaBackendKimiK3DeltaAttention:

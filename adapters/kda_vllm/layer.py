@@ -4,24 +4,41 @@ Everything else (weights, loaders, state specs, metadata, ``_forward``, o_proj) 
 zero-copy views of ``in_proj_qkvgfab.weight`` ([q|k|v|g|f_a|beta|pad], the core's packed layout) and
 ``f_b_proj.weight``, for any TP size that divides the heads. It is built, and its plan resolved and shared across
 the TP group, in vLLM's post-load hook for attention layers, on every rank at the same point of loading; a forward
-never communicates. Where the weights are not plain bf16 rows on the GPU vLLM's path serves, and one log line
-says why.
+never communicates. Where the weights are not plain bf16 rows on the GPU, or vLLM runs batch-invariant, vLLM's
+path serves, and one log line says why; so it does for any M the plan has no tuned step for (no tuned plan, or M
+above the largest tuned one), as the plan's resolution says once.
 """
 
 from __future__ import annotations
 
 import torch
+import vllm.envs
 from einops import rearrange
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.offloader.base import NoopOffloader, get_offloader
 from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
 
 from kda_backend import KDAGeometry, KDAProjection, ProjectionWeights, build_projection
-from kda_backend.log import warn_once
+from kda_backend.log import info_once, warn_once
 
 from kda_vllm.injection import register_host
 
 NOT_LOADED = "its weights were never processed (vLLM's process_weights_after_loading did not run for this layer)"
+
+
+def graph_token_counts(vllm_config) -> list[int]:
+    """The token counts vLLM's CUDA graphs run a layer at: its capture sizes and, under speculative decoding, each
+    rounded up to a multiple of the tokens a decode step verifies per request (1 + the draft tokens) where that
+    stays within the largest size, as vLLM rounds them for FULL decode graphs once the model is loaded
+    (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``; its V2 runner rounds decode batches alike)."""
+    compilation = vllm_config.compilation_config
+    sizes = set(compilation.cudagraph_capture_sizes or ())
+    spec = vllm_config.speculative_config
+    per_request = 1 + (spec.num_speculative_tokens or 0) if spec is not None else 1
+    if sizes and per_request > 1:
+        largest = compilation.max_cudagraph_capture_size or max(sizes)
+        sizes |= {m for m in (-(-size // per_request) * per_request for size in sizes) if m <= largest}
+    return sorted(sizes)
 
 
 class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
@@ -33,7 +50,13 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
 
     def __init__(self, config, vllm_config, *args, **kwargs) -> None:
         super().__init__(config, vllm_config, *args, **kwargs)
-        self._kda_compilation_config = vllm_config.compilation_config
+        self._kda_graph_token_counts = graph_token_counts(vllm_config)
+        extra = vllm_config.additional_config
+        if isinstance(extra, dict) and extra.get("decode_backend") == "latency_specialized":
+            # vLLM's model then runs its own executor over the weights for the decode steps it captured; only the
+            # steps that fall back to the layers' forward (prefill, larger batches, piecewise) reach this layer.
+            info_once("vllm-specialized-decode", "vLLM's decode_backend=latency_specialized runs its own decode "
+                      "executor: kda-backend serves only the steps that fall back to the stock forward")
         self.kda_projection: KDAProjection | None = None
         self.kda_vllm_path_reason: str | None = NOT_LOADED
 
@@ -57,16 +80,21 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         self.kda_projection = build_projection(
             weights,
             aux_stream=self._projection_aux_stream,
-            batch_sizes=self._kda_compilation_config.cudagraph_capture_sizes or (),
+            batch_sizes=self._kda_graph_token_counts,
         )
-        # Our forward replaces vLLM's projection, so its overlap branch never runs for this layer; a zero token
-        # limit also makes vLLM's warm-up skip tuning its overlap kernels for it. Where vLLM's path serves, its
-        # overlap stays exactly as vLLM set it up.
-        self._projection_overlap_max_tokens = 0
+        info_once("vllm-serves", "vLLM: Kimi-K3 KDA layers use kda-backend's projection stage")
+        # Where the plan serves every M vLLM's overlap branch would take, that branch never runs for this layer; a
+        # zero token limit also makes vLLM's warm-up skip tuning its overlap kernels for it. Elsewhere (no tuned
+        # plan) vLLM's path, its overlap included, stays exactly as vLLM set it up.
+        if self.kda_projection.serves(self._projection_overlap_max_tokens):
+            self._projection_overlap_max_tokens = 0
 
     def _why_vllm_path(self) -> str | None:
         """Why the projection cannot serve from the tensors vLLM keeps, or ``None`` where it can. Depends only on
         the configuration and shapes, so every rank of a TP group decides alike (the plan broadcast needs all)."""
+        if vllm.envs.VLLM_BATCH_INVARIANT:
+            # vLLM then promises results independent of the batch size; kda-backend's kernels pick tactics per M.
+            return "VLLM_BATCH_INVARIANT is set; vLLM's batch-invariant path serves"
         offloader = get_offloader()
         if not isinstance(offloader, NoopOffloader):
             return f"vLLM offloads weights to the CPU ({type(offloader).__name__}); kda-backend serves resident ones"
@@ -90,10 +118,12 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``hidden_states [M, hidden]`` -> ``[M, hidden]``: vLLM's forward with the projection stage replaced."""
         projection = self.kda_projection
+        num_tokens = hidden_states.size(0)
         if projection is None:
             warn_once(f"vllm-path-{self.kda_vllm_path_reason}", f"vLLM path kept: {self.kda_vllm_path_reason}")
             return super().forward(hidden_states, positions)
-        num_tokens = hidden_states.size(0)
+        if not projection.serves(num_tokens):  # no tuned step for this M (the plan's resolution said so once)
+            return super().forward(hidden_states, positions)
         qkvg, g1, beta = projection(hidden_states)
         mixed_qkv, g_proj_states = qkvg.split([3 * self.local_projection_size, self.local_projection_size], dim=-1)
         # From here on vLLM's forward, unchanged: _forward and o_proj get the tensors vLLM's own projection hands

@@ -45,7 +45,7 @@ PATCHES = [
         False,
     ),
     (  # after the output is stored
-        "        if cutlass.const_expr(link.waits):\n            self._count_out(m_chain, tidx)\n",
+        "        if cutlass.const_expr(own_exit and link.waits):\n            self._count_out(m_chain, tidx)\n",
         (
             "        if tidx == 0:\n"
             "            gx, gy, _ = cute.arch.grid_dim()\n"

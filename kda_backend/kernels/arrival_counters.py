@@ -6,9 +6,9 @@ zero, so a set is zero again whenever no kernel using it is running. Kernels on 
 counter use (with programmatic launch, a kernel touches counters only after ``griddepcontrol.wait``, i.e. after its
 predecessor finished; the one exception, F_A/beta trailing QKVG, is released by QKVG only after QKVG's own wait,
 see :class:`~kda_backend.kernels.skinny_gemm.Link`), so one set per stream is race-free; kernels on different
-streams get different sets. The last two counters of a set belong to the side chain trailing QKVG on one stream
-(:class:`~kda_backend.kernels.skinny_gemm.Link`): its signaling and its waiting launch use them together, and the
-pair leaves them at zero before the next pair on the stream can touch them.
+streams get different sets. The last three counters of a set belong to the side chain trailing QKVG on one stream
+(:class:`~kda_backend.kernels.skinny_gemm.Link`, :mod:`~kda_backend.kernels.side_chain_gemm`): its launches use them
+together and leave them at zero before the next side chain on the stream can touch them.
 
 The sets are rows of one zero-initialised arena per device, allocated on first use outside capture (the provider's
 ``prepare`` reserves it before any capture; inside a capture a missing arena is an error, like an uncompiled
@@ -26,7 +26,7 @@ import threading
 import torch
 
 COUNTERS_PER_STREAM = 256  # output tiles of one launch, ceil(N / block_n) * ceil(M / block_t): Kimi-K3 F_A/beta 9-14
-CHAIN_COUNTERS = 2  # the last two of a row: the trailing side chain's pair (see skinny_gemm.Link)
+CHAIN_COUNTERS = 3  # the last three of a row: the trailing side chain's (see skinny_gemm.Link, side_chain_gemm)
 SPLIT_K_COUNTERS = COUNTERS_PER_STREAM - CHAIN_COUNTERS
 STREAMS_PER_DEVICE = 1024  # streams are rarely destroyed in serving; 1 MiB per device covers test churn too
 
@@ -67,7 +67,8 @@ class ArrivalCounters:
         return self._row(stream)[:SPLIT_K_COUNTERS]
 
     def chain_for_stream(self, stream: torch.cuda.Stream) -> torch.Tensor:
-        """The trailing side chain's two counters ``[2]`` of ``stream`` (zero whenever no such pair is running)."""
+        """The trailing side chain's counters ``[CHAIN_COUNTERS]`` of ``stream`` (zero whenever no side chain is
+        running)."""
         return self._row(stream)[SPLIT_K_COUNTERS:]
 
     def _row(self, stream: torch.cuda.Stream) -> torch.Tensor:

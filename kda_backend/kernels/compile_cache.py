@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from kda_backend.kernels import l2_cache_policy, skinny_gemm, wgmma_gemm
+from kda_backend.kernels import l2_cache_policy, side_chain_gemm, skinny_gemm, wgmma_gemm
+from kda_backend.kernels.arrival_counters import CHAIN_COUNTERS
+from kda_backend.kernels.side_chain_gemm import SideChainGemm
 from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
 from kda_backend.kernels.wgmma_gemm import WgmmaGemm, WgmmaTactic
 from kda_backend.log import warn_once
@@ -45,6 +47,19 @@ class KernelKey:
     w_row_stride: int
     arch: str
     link: Link = NO_LINK
+
+
+@dataclasses.dataclass(frozen=True)
+class SideChainKey:
+    """What makes two compiled one-launch side chains (:class:`~kda_backend.kernels.side_chain_gemm.SideChainGemm`)
+    different: F_A/beta's key (its ``n``, ``k`` and row strides) and F_B's tactic, rows, ``D`` and weight row
+    stride."""
+
+    fab: KernelKey
+    fb: Tactic
+    fb_n: int
+    d: int
+    w_fb_row_stride: int
 
 
 def kernel_key(
@@ -117,6 +132,8 @@ def compile_gemm(key: KernelKey) -> Any:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
+    if isinstance(key, SideChainKey):
+        return _compile_side_chain(key)
     kernel_class = WgmmaGemm if isinstance(key.tactic, WgmmaTactic) else SkinnyGemm
     gemm = kernel_class(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride, key.link)
     m = cute.sym_int32(symbol="M")
@@ -131,7 +148,7 @@ def compile_gemm(key: KernelKey) -> Any:
         work = make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
         arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
     if link.signals or link.waits:
-        chain = make_fake_tensor(cutlass.Int32, (2,), (1,), assumed_align=4)
+        chain = make_fake_tensor(cutlass.Int32, (CHAIN_COUNTERS,), (1,), assumed_align=4)
     if link.waits:
         expected = cutlass.Int32(0)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -144,9 +161,39 @@ def compile_gemm(key: KernelKey) -> Any:
     return kernel
 
 
+def _compile_side_chain(key: SideChainKey) -> Any:
+    """The TVM-FFI callable ``f(x, w_fab, fab, w_fb, g1, work, arrivals, chain)`` of one side chain launch (see
+    :meth:`~kda_backend.kernels.side_chain_gemm.SideChainGemm.__call__`)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    fab = key.fab
+    gemm = SideChainGemm(fab.tactic, key.fb, fab.n, fab.k, fab.x_row_stride, fab.w_row_stride, key.fb_n, key.d,
+                         key.w_fb_row_stride)
+    m = cute.sym_int32(symbol="M")
+
+    def bf16(shape, stride):
+        return make_fake_tensor(cutlass.BFloat16, shape, stride, assumed_align=16)
+
+    work = arrivals = None
+    if fab.tactic.uses_workspace:
+        work = make_fake_tensor(cutlass.Float32, (fab.tactic.split_k, m, fab.n), (cute.sym_int64(), fab.n, 1),
+                                assumed_align=16)
+        arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
+    chain = make_fake_tensor(cutlass.Int32, (CHAIN_COUNTERS,), (1,), assumed_align=4)
+    operands = (bf16((m, fab.k), (fab.x_row_stride, 1)), bf16((fab.n, fab.k), (fab.w_row_stride, 1)),
+                bf16((m, fab.n), (fab.n, 1)), bf16((key.fb_n, key.d), (key.w_fb_row_stride, 1)),
+                bf16((m, key.fb_n), (key.fb_n, 1)), work, arrivals, chain)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    with _launches_prefer_max_smem():
+        return cute.compile(gemm, *operands, stream, options=f"--enable-tvm-ffi --gpu-arch {fab.arch}")
+
+
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 # Every file whose code is traced into a compiled kernel, and this one (how it compiles).
-KERNEL_SOURCES = (skinny_gemm.__file__, wgmma_gemm.__file__, l2_cache_policy.__file__, __file__)
+KERNEL_SOURCES = (skinny_gemm.__file__, wgmma_gemm.__file__, side_chain_gemm.__file__, l2_cache_policy.__file__,
+                  __file__)
 
 
 def fingerprint(key: KernelKey) -> str:

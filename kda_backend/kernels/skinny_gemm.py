@@ -210,8 +210,9 @@ def validate_tactic(tactic: Tactic, n: int, k: int, x_row_stride: int) -> str | 
 class Link:
     """How one launch takes part in the overlap on one stream (where the host allows no fork): QKVG, then F_A/beta
     (``x_ready``, ``signals``), then F_B (``waits``), each launched programmatically behind the one before; the same
-    kernels as the forked overlap, so the same bits. The signaling and the waiting launch share ``chain``, two int32
-    counters that are zero before and after them.
+    kernels as the forked overlap, so the same bits. The signaling and the waiting launch share ``chain``, the
+    stream's int32 chain counters (the first two serve them), which are zero before and after them. Where their
+    tactics allow, the two are one launch (:mod:`~kda_backend.kernels.side_chain_gemm`).
 
     :param waits: load x only after ``chain[0]`` reached the launch's ``expected`` count (every tile of the
         signaling launch before it). Each CTA then counts itself in on ``chain[1]``; the last resets both counters.
@@ -385,10 +386,21 @@ class SkinnyGemm:
 
         - with ``split_k > 1``, ``m_work`` the fp32 workspace (split_k, M, N) contiguous, and ``m_arrivals`` int32
           arrival counters (one per output tile, ``output_tiles``), zero on entry and left zero on exit;
-        - with ``link.signals`` or ``link.waits``, ``m_chain`` the two int32 chain counters (see :class:`Link`);
+        - with ``link.signals`` or ``link.waits``, ``m_chain`` the stream's int32 chain counters (see :class:`Link`);
         - with ``link.waits``, ``expected`` the count ``chain[0]`` must reach before x is loaded.
         """
         self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
+        t = self.tactic
+        operands = self.launch_operands(m_x, m_w, m_out, m_work)
+        grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
+        self.kernel(m_x, m_w, *operands[:2], m_arrivals, m_chain, expected, *operands[2:]).launch(
+            grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl
+        )
+
+    def launch_operands(self, m_x: cute.Tensor, m_w: cute.Tensor, m_out: cute.Tensor, m_work: cute.Tensor | None):
+        """What :meth:`tile` takes besides the tensors as the caller holds them, built at trace time:
+        ``(m_out_t, m_work, s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma)``, where the kernel works on the
+        swap-AB views, out transposed (N, M) and the workspace as (N, M, split_k)."""
         t = self.tactic
         dtype = m_w.element_type
         along_rows, along_tokens = t.warp_grid
@@ -404,7 +416,6 @@ class SkinnyGemm:
             s_x_layout = cute.make_layout((t.block_t, t.block_k, t.stages), stride=(row, 1, t.block_t * row))
         else:
             s_x_layout = self._smem_layout(t.block_t, for_tma=t.x_tma)
-        grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         g2s_w = self._g2s_copy(dtype)
         if cutlass.const_expr(t.x_tma):
             # The descriptor is encoded per call from m_x, so it covers this call's M (rows past it read as zero).
@@ -414,13 +425,10 @@ class SkinnyGemm:
         else:
             # The weights' tiled copy partitions the activation tiles too (bulk copies do not use it).
             x_copy, x_src = g2s_w, m_x
-        # The kernel works on the swap-AB views: out transposed (N, M) and the workspace as (N, M, split_k).
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
         if cutlass.const_expr(m_work is not None):
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
-        self.kernel(
-            m_x, m_w, m_out_t, m_work, m_arrivals, m_chain, expected, s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma
-        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        return m_out_t, m_work, s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma
 
     @cute.kernel
     def kernel(
@@ -442,9 +450,40 @@ class SkinnyGemm:
         """``m_out_t`` (N, M): out transposed; ``m_work`` (N, M, split_k): the split-K workspace, or ``None``, as
         the other optional operands (see :meth:`__call__`). ``x_copy`` / ``x_src``: the cp.async tiled copy (unused
         with ``x_bulk``) and ``m_x``, or with ``x_tma`` the TMA atom and its coordinate tensor over ``m_x``."""
-        t, link = self.tactic, self.link
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, bidz = cute.arch.block_idx()
+        self.tile(cutlass.memory.SmemAllocator(), tidx, bidx, bidy, bidz, m_x, m_w, m_out_t, m_work, m_arrivals,
+                  m_chain, expected, s_w_layout, s_x_layout, g2s_w, x_copy, x_src, mma)
+
+    @cute.jit
+    def tile(
+        self,
+        smem,
+        tidx,
+        bidx,
+        bidy,
+        bidz,
+        m_x: cute.Tensor,
+        m_w: cute.Tensor,
+        m_out_t: cute.Tensor,
+        m_work: cute.Tensor | None,
+        m_arrivals: cute.Tensor | None,
+        m_chain: cute.Tensor | None,
+        expected: cutlass.Int32 | None,
+        s_w_layout: cute.ComposedLayout,
+        s_x_layout: cute.ComposedLayout | cute.Layout,
+        g2s_w: cute.TiledCopy,
+        x_copy: cute.TiledCopy | cute.CopyAtom,
+        x_src: cute.Tensor,
+        mma: cute.TiledMma,
+        own_exit: cutlass.Constexpr[bool] = True,
+    ):
+        """One CTA's output tile ``(bidx, bidy)`` (and K part ``bidz``) with thread ``tidx``, its shared memory from
+        ``smem`` (anything with ``SmemAllocator``'s ``allocate_tensor`` and ``allocate_array``). Operands as for
+        :meth:`kernel`. ``own_exit=False``: a launch of several programs (:mod:`kda_backend.kernels.side_chain_gemm`)
+        ends the CTA itself, so a linked tile leaves out its own exit (the waiting launch's count-out and the final
+        ``griddepcontrol.wait``)."""
+        t, link = self.tactic, self.link
         m_tokens = m_x.shape[0]
         k_tiles = self.k // t.block_k // t.split_k
         k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
@@ -456,7 +495,6 @@ class SkinnyGemm:
         c_x = cute.local_tile(cute.make_identity_tensor(m_x.shape), (t.block_t, t.block_k), (bidy, None))
         c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
 
-        smem = cutlass.memory.SmemAllocator()
         s_w = smem.allocate_tensor(m_w.element_type, s_w_layout, 128)
         if cutlass.const_expr(t.x_tma):
             s_x = smem.allocate_tensor(m_x.element_type, s_x_layout.outer, 128, swizzle=s_x_layout.inner)
@@ -620,9 +658,9 @@ class SkinnyGemm:
             self._store_tile(acc, thr_mma, s_o, g_o, c_o, self.n, m_tokens, tidx)
             if cutlass.const_expr(link.signals):
                 self._signal(m_chain, tidx)
-        if cutlass.const_expr(link.waits):
+        if cutlass.const_expr(own_exit and link.waits):
             self._count_out(m_chain, tidx)
-        elif cutlass.const_expr(link.x_ready and t.pdl):
+        elif cutlass.const_expr(own_exit and link.x_ready and t.pdl):
             cute.arch.griddepcontrol_wait()
 
     @cute.jit

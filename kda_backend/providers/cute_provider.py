@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from kda_backend.kernels.arrival_counters import arrival_counters
-from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
+from kda_backend.kernels.compile_cache import SideChainKey, compiled_gemms, kernel_key
+from kda_backend.kernels.side_chain_gemm import why_not_one_launch
 from kda_backend.kernels.skinny_gemm import ELEMS_PER_COPY, NO_LINK, Link, Tactic, output_tiles, validate_link
 from kda_backend.kernels.tactics import AnyTactic, default_for, for_m, max_m, validate_any, why_not_for
 from kda_backend.kernels.wgmma_gemm import WgmmaTactic
@@ -135,8 +136,10 @@ class CuteDslProvider(GemmProvider):
     def trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
         """See :meth:`GemmProvider.trailing_launcher`: ``fab = x @ w_fab.T`` launched as soon as every QKVG CTA
         passed its wait for x, then ``g1 = fab[:, :D] @ w_fb.T`` as soon as ``fab``'s tiles are stored (see
-        :class:`~kda_backend.kernels.skinny_gemm.Link`). The tactics are the forked side chain's with activations
-        from L2: the same arithmetic, so the same bits. One launcher per pair of calls serves every layer."""
+        :class:`~kda_backend.kernels.skinny_gemm.Link`): one launch of both where their tactics allow
+        (:mod:`~kda_backend.kernels.side_chain_gemm`), else two. The tactics are the forked side chain's with
+        activations from L2: the same arithmetic, so the same bits. One launcher per pair of calls serves every
+        layer."""
         key = (calls["fab"], calls["fb"], _current_device())
         found = self._trailing.get(key)
         if found is None:
@@ -150,11 +153,7 @@ class CuteDslProvider(GemmProvider):
         if reason is not None:
             raise ValueError(f"trailing side chain: {reason}")
         device = _current_device()
-        first = self._kernel(fab_tactic, fab_call, device, SIGNALS)
-        second = self._kernel(fb_tactic, fb_call, device, WAITS)
         arrival_counters.reserve(device)
-        expected = output_tiles(fab_tactic, fab_call.n, fab_call.m)  # F_A/beta's tiles, what F_B waits for
-        d = fb_call.k
 
         def operands(stream: torch.cuda.Stream) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
             split = fab_tactic.split_k > 1
@@ -162,6 +161,22 @@ class CuteDslProvider(GemmProvider):
             return work, arrivals, arrival_counters.chain_for_stream(stream)
 
         per_stream = PerStream(operands, device)
+        if why_not_one_launch(fab_tactic, fb_tactic) is None and fb_call.x_row_stride == fab_call.n:
+            fab_key = kernel_key(fab_tactic, fab_call.n, fab_call.k, fab_call.x_row_stride, fab_call.w_row_stride,
+                                 device)
+            key = SideChainKey(fab_key, fb_tactic, fb_call.n, fb_call.k, fb_call.w_row_stride)
+            chain_kernel = compiled_gemms.get(key, self.kernel_folder())
+
+            def run_one_launch(
+                x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor, g1: torch.Tensor
+            ) -> None:
+                chain_kernel(x, w_fab, fab, w_fb, g1, *per_stream.current())
+
+            return run_one_launch
+        first = self._kernel(fab_tactic, fab_call, device, SIGNALS)
+        second = self._kernel(fb_tactic, fb_call, device, WAITS)
+        expected = output_tiles(fab_tactic, fab_call.n, fab_call.m)  # F_A/beta's tiles, what F_B waits for
+        d = fb_call.k
 
         def run(x: torch.Tensor, w_fab: torch.Tensor, fab: torch.Tensor, w_fb: torch.Tensor, g1: torch.Tensor) -> None:
             work, arrivals, chain = per_stream.current()

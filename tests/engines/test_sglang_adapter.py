@@ -7,6 +7,7 @@ code on a one-rank gloo group (SGLang's `init_single_process_dist`); platforms a
 Kimi-K3 config.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -473,6 +474,41 @@ def test_rocm_keeps_sglang_method(kda_backend_selected, kda_log, monkeypatch):
     layer = _build_layer()
     assert layer._kda_projection is None
     assert any("ROCm: SGLang's own ROCm projection serves" in m for m in kda_log.messages())
+
+
+def test_deterministic_inference_keeps_sglang_method(kda_log):
+    """With ``--enable-deterministic-inference`` SGLang promises results independent of the batch; kda-backend's
+    kernels pick tactics per M, so SGLang's method serves, with one warning."""
+    from sglang.srt.server_args import ServerArgs
+
+    with _published(ServerArgs(model_path="dummy", attention_backend="kda", enable_deterministic_inference=True)):
+        layer = _build_layer()
+    assert layer._kda_projection is None
+    assert any("--enable-deterministic-inference" in m for m in kda_log.messages())
+
+
+@pytest.mark.parametrize("tuned_up_to", [0, 8], ids=["no-plan", "plan-to-8"])
+def test_batch_sizes_the_plan_has_no_step_for_run_sglangs_method(kda_backend_selected, tuned_up_to, monkeypatch):
+    """Where the plan has no step for M (no tuned plan, or M above its largest tuned one) SGLang's own method
+    serves; where it has one, the projection does."""
+    from kda_backend import serving
+    from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+
+    plan = (Plan.uniform(tuned_up_to, Step(overlap=False), source="autotune") if tuned_up_to
+            else Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH))
+    monkeypatch.setattr(serving, "resolve_plan", lambda *args, **kwargs: plan)
+    recorder = _Recorder()
+    register_plugin(recorder, recorder.name)
+    layer = _build_layer(seed=5)
+    assert layer._kda_projection is not None
+    plan = dataclasses.replace(plan, steps={m: dataclasses.replace(step, qkvg="recorder", fab="recorder",
+                                                                   fb="recorder") for m, step in plan.steps.items()})
+    layer._kda_projection.plan = plan
+    for m in (4, 8, 16):
+        recorder.calls.clear()
+        x = torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(m)).bfloat16()
+        _assert_same_outputs(layer.forward_qkvbfg_fused(x), _sglang_method(layer, x, False), f"M={m}")
+        assert bool(recorder.calls) == (m <= tuned_up_to), f"M={m}"
 
 
 def test_fork_follows_sglang_gate_in_capture_mode_and_breakable_graphs():

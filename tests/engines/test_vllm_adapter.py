@@ -467,6 +467,70 @@ def _never(what):
     return fail
 
 
+def test_graph_token_counts_include_vllms_speculative_rounding(injected, vllm_env, monkeypatch):
+    """The projection is prepared (and, with KDA_BACKEND_AUTOTUNE=1, tuned) for vLLM's capture sizes and, under
+    speculative decoding, for the multiples of 1 + the draft tokens vLLM rounds its FULL decode graphs to after the
+    model is loaded; the layer hands exactly these to planning."""
+    from types import SimpleNamespace
+
+    from kda_vllm import layer as vllm_layer
+
+    compilation = SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32], max_cudagraph_capture_size=32)
+    spec = SimpleNamespace(num_speculative_tokens=2)
+    rounded = vllm_layer.graph_token_counts(SimpleNamespace(compilation_config=compilation, speculative_config=spec))
+    assert rounded == [1, 2, 3, 4, 6, 8, 9, 16, 18, 24, 32]
+    plain = vllm_layer.graph_token_counts(SimpleNamespace(compilation_config=compilation, speculative_config=None))
+    assert plain == [1, 2, 4, 8, 16, 24, 32]
+    handed = []
+    build = vllm_layer.build_projection
+    monkeypatch.setattr(vllm_layer, "build_projection",
+                        lambda weights, **kwargs: handed.append(kwargs["batch_sizes"]) or build(weights, **kwargs))
+    layer = _build_layer(vllm_env)
+    assert layer.kda_projection is not None
+    assert handed == [vllm_layer.graph_token_counts(vllm_env)]
+    assert handed[0] == sorted(vllm_env.compilation_config.cudagraph_capture_sizes or ())
+
+
+def test_batch_invariant_mode_keeps_vllm_path(injected, vllm_env, monkeypatch):
+    """With ``VLLM_BATCH_INVARIANT=1`` vLLM promises results independent of the batch size (its linears become
+    batch-invariant, its low-latency kernels are off); kda-backend's kernels pick tactics per M, so vLLM's path
+    serves."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    layer = _build_layer(vllm_env)
+    assert layer.kda_projection is None and "VLLM_BATCH_INVARIANT" in layer.kda_vllm_path_reason
+
+
+@pytest.mark.parametrize("tuned_up_to", [0, 8], ids=["no-plan", "plan-to-8"])
+def test_batch_sizes_the_plan_has_no_step_for_run_vllms_own_path(injected, vllm_env, tuned_up_to, monkeypatch):
+    """Where the plan has no step for M (no tuned plan, or M above its largest tuned one) the layer's forward is
+    vLLM's own, its overlap limit left as vLLM set it; where the plan has one, the projection serves."""
+    from kda_backend import serving
+    from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+
+    plan = (Plan.uniform(tuned_up_to, Step(overlap=False), source="autotune") if tuned_up_to
+            else Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH))
+    monkeypatch.setattr(serving, "resolve_plan", lambda *args, **kwargs: plan)
+    layer = _construct(vllm_env)
+    layer._projection_overlap_max_tokens = 14  # as low_latency_gemm._enable_kda_projection_overlap sets it at init
+    gen = torch.Generator().manual_seed(3)
+    for p in (layer.in_proj_qkvgfab.weight, layer.f_b_proj.weight, layer.o_proj.weight):
+        p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5)
+    _post_load(layer, vllm_env)
+    assert isinstance(layer.kda_projection, KDAProjection) and layer._projection_overlap_max_tokens == 14
+    served = []
+    projection_call = KDAProjection.__call__
+    monkeypatch.setattr(KDAProjection, "__call__", lambda self, x, *a, **k: served.append(len(x)) or
+                        projection_call(self, x, *a, **k))
+    recorder = _Recorder()
+    monkeypatch.setattr(layer, "_forward", recorder)
+    for m in (4, 8, 16):
+        x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+        layer.forward(x, torch.arange(m))
+        vllm_qkv = _vllm_projection(layer, x)[0][:, : 3 * layer.local_projection_size]
+        assert torch.equal(recorder.calls[-1]["mixed_qkv"], vllm_qkv), f"M={m}"
+    assert served == [m for m in (4, 8, 16) if m <= tuned_up_to]
+
+
 # --- what the forward hands vLLM's _forward --------------------------------------------------------------------------
 
 
