@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 
 from kda_backend import dispatch
+from kda_backend.accuracy import output_error
 from kda_backend.batch_sizes import engine_batch_sizes
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
@@ -56,7 +57,6 @@ BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 6
 WGMMA_CANDIDATES = 5
 WGMMA_FINALISTS = 2
 FINALISTS = 4  # in-stage candidates timed again
-CANDIDATE_TOLERANCE = 1e-2  # relative error of a bf16 output against fp32 (8 mantissa bits)
 RETIMING_ROUNDS = 2
 
 
@@ -96,9 +96,9 @@ def time_tactic(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, 
 
 def tactic_error(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, m: int) -> str | None:
     """Why ``tactic`` must not serve ``role`` at ``m`` tokens, or ``None``: its output, poisoned with NaN before the
-    launch, against the fp32 product of random activations and the first weight copy has a NaN (a tile left
-    unwritten) or a relative error above :data:`CANDIDATE_TOLERANCE`. Every candidate is checked before it is timed,
-    so a kernel that computes wrongly on this device is never the fastest."""
+    launch, against the fp32 product of random activations and the first weight copy
+    (:func:`~kda_backend.accuracy.output_error`). Every candidate is checked before it is timed, so a
+    kernel that computes wrongly on this device is never the fastest."""
     n, k, x_row_stride = _role_shapes(weights[0].geometry)[role]
     w = weights[0].of_role(role)
     x = torch.randn(m, x_row_stride, device=w.device, dtype=torch.bfloat16)[:, :k]
@@ -107,20 +107,11 @@ def tactic_error(weights: list[ProjectionWeights], role: str, tactic: AnyTactic,
     return output_error(out, x.float() @ w.float().t())
 
 
-def output_error(out: torch.Tensor, ref: torch.Tensor) -> str | None:
-    """Why ``out`` is not ``ref`` (fp32) as a bf16 result, or ``None``: a NaN (a part left unwritten after the
-    output was poisoned), or a relative error above :data:`CANDIDATE_TOLERANCE`."""
-    if out.isnan().any():
-        return "NaN in its output"
-    error = ((out.float() - ref).norm() / ref.norm()).item()
-    return None if error <= CANDIDATE_TOLERANCE else f"relative error {error:.2g} > {CANDIDATE_TOLERANCE}"
-
-
 def step_error(weights: list[ProjectionWeights], step: Step, m: int, tactics: TacticTable) -> str | None:
     """Why ``step`` must not serve ``m`` tokens, or ``None``: the stage as it is wired (its views, strides and side
     chain, beyond each kernel that :func:`tactic_error` checks), run once into output buffers poisoned with NaN
     and once allocating its outputs (the packed path, where the weights are packed), against the fp32 reference on
-    random activations (:func:`output_error` for qkvg, g1 and beta)."""
+    random activations (:func:`~kda_backend.accuracy.output_error` for qkvg, g1 and beta)."""
     w = weights[0]
     g = w.geometry
     proj = KDAProjection(w, Plan(steps={m: step}, source="candidate", tactics=tactics))

@@ -614,6 +614,7 @@ def test_side_chain_runs_as_one_launch_where_its_tactics_allow():
     assert "programmatic launch" in why_not_one_launch(dataclasses.replace(fab, pdl=False), fb)
     assert "cp.async only" in why_not_one_launch(dataclasses.replace(fab, x_tma=True), fb)
     assert "loads x from L2 only" in why_not_one_launch(fab, dataclasses.replace(fb, x_via_l1=True))
+    assert "B of shared memory" in why_not_one_launch(fab, Tactic(16, 512, 64, 12, x_via_l1=False))
     p = CuteDslProvider()
     for tp in (4, 8, 16):
         for m in (1, 16, 64):

@@ -8,9 +8,9 @@ import torch
 
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
-from kda_backend.kernels.compile_cache import compiled_gemms, kernel_key
-from kda_backend.kernels.side_chain_gemm import why_not_one_launch
+from kda_backend.kernels.compile_cache import SideChainKey, compiled_gemms, kernel_key
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
+from kda_backend.kernels.side_chain_gemm import why_not_one_launch
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles
 from kda_backend.kernels.tactics import tactic_bucket
 from kda_backend.plan import Plan
@@ -258,26 +258,45 @@ def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path):
                                         Tactic(48, 128, 16, 4, x_via_l1=False, x_bulk=True, split_k=4),
                                         Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
-def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m):
+def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m, kda_log):
     """F_A/beta and F_B trailing QKVG on one stream (the provider's trailing side chain with these tactics: one
-    launch for the 16-row cp.async ones, two for the others) compute exactly what the plain kernels do (what the
-    forked side chain runs), and leave the chain counters at zero; one launcher serves both trailing runs."""
+    launch for the 16-row cp.async ones, which passes its first-use check, two for the others) compute exactly what
+    the plain kernels do (what the forked side chain runs), and leave the chain counters at zero; one launcher
+    serves both trailing runs."""
     fab_tactic = dataclasses.replace(fab_tactic, block_t=block_t_for(m))
     fb_tactic = Tactic(16, 128, block_t_for(m), 2, x_via_l1=False)
     one_launch = fab_tactic.block_n == 16 and not fab_tactic.x_tma
     assert (why_not_one_launch(fab_tactic, fb_tactic) is None) == one_launch
     _check_trailing_side_chain(m, fab_tactic, fb_tactic)
+    assert not any("computed wrongly" in message for message in kda_log.messages())
 
 
 @pytest.mark.parametrize("fab_tactic", [Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14),
                                         Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [17, 40, 64], ids=lambda m: f"M{m}")
-def test_side_chain_in_one_launch_over_several_token_tiles(fab_tactic, m):
+def test_side_chain_in_one_launch_over_several_token_tiles(fab_tactic, m, kda_log):
     """The one-launch side chain with 16-token tiles over up to four of them, F_A/beta's tiles (with and without
     split-K) and F_B's each drawn by ticket: the plain kernels' bits, counters left at zero."""
     fb_tactic = Tactic(16, 128, 16, 3, x_via_l1=False)
     assert why_not_one_launch(fab_tactic, fb_tactic) is None
     _check_trailing_side_chain(m, fab_tactic, fb_tactic)
+    assert not any("computed wrongly" in message for message in kda_log.messages())
+
+
+def test_one_launch_side_chain_that_computes_wrongly_runs_as_two_launches(monkeypatch, kda_log):
+    """The one-launch side chain is checked on first use: one whose kernel writes nothing fails the check, one
+    warning says so, and the side chain runs as two launches, with the plain kernels' bits."""
+    real_get = compiled_gemms.get
+
+    def get(key, folder=None):
+        kernel = real_get(key, folder)
+        return (lambda *operands: None) if isinstance(key, SideChainKey) else kernel
+
+    monkeypatch.setattr(compiled_gemms, "get", get)
+    fab_tactic, fb_tactic = Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14), Tactic(16, 128, 16, 2, x_via_l1=False)
+    _check_trailing_side_chain(4, fab_tactic, fb_tactic)
+    warnings = [message for message in kda_log.messages() if "computed wrongly" in message]
+    assert len(warnings) == 1 and "NaN in its output" in warnings[0] and "runs as two launches" in warnings[0]
 
 
 def _check_trailing_side_chain(m: int, fab_tactic: Tactic, fb_tactic: Tactic) -> None:
@@ -303,7 +322,8 @@ def _check_trailing_side_chain(m: int, fab_tactic: Tactic, fb_tactic: Tactic) ->
         runs.append((qkvg, fab, g1))
     torch.cuda.synchronize()
     fab = runs[0][1]
-    for out, ref in ((fab, x.float() @ w_fab.float().t()), (runs[0][2], fab[:, : g.head_dim].float() @ w_fb.float().t())):
+    f_a = fab[:, : g.head_dim]
+    for out, ref in ((fab, x.float() @ w_fab.float().t()), (runs[0][2], f_a.float() @ w_fb.float().t())):
         assert not out.isnan().any()
         assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))

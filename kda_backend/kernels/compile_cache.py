@@ -130,7 +130,7 @@ def compile_gemm(key: KernelKey) -> Any:
     and link use it, else ``None``."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_tensor
 
     if isinstance(key, SideChainKey):
         return _compile_side_chain(key)
@@ -151,10 +151,18 @@ def compile_gemm(key: KernelKey) -> Any:
         chain = make_fake_tensor(cutlass.Int32, (CHAIN_COUNTERS,), (1,), assumed_align=4)
     if link.waits:
         expected = cutlass.Int32(0)
+    return _compile_tagged(gemm, (x, w, out, work, arrivals, chain, expected), key.arch)
+
+
+def _compile_tagged(gemm: Any, operands: tuple, arch: str) -> Any:
+    """``gemm`` compiled for ``arch`` over ``operands`` and torch's current stream, its launch tagged with the
+    shared-memory carveout (one warning if the DSL emitted no launch, or more than one, to tag)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     with _launches_prefer_max_smem() as launches:
-        kernel = cute.compile(gemm, x, w, out, work, arrivals, chain, expected, stream,
-                              options=f"--enable-tvm-ffi --gpu-arch {key.arch}")
+        kernel = cute.compile(gemm, *operands, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
     if launches[0] != 1:
         warn_once("carveout", f"expected one kernel launch to tag with the shared-memory carveout, saw {launches[0]}; "
                   "without it the overlapped stage may serialize (measured on H200: 31.9 instead of 23.2 us at M = 1)")
@@ -166,7 +174,7 @@ def _compile_side_chain(key: SideChainKey) -> Any:
     :meth:`~kda_backend.kernels.side_chain_gemm.SideChainGemm.__call__`)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_tensor
 
     fab = key.fab
     gemm = SideChainGemm(fab.tactic, key.fb, fab.n, fab.k, fab.x_row_stride, fab.w_row_stride, key.fb_n, key.d,
@@ -185,9 +193,7 @@ def _compile_side_chain(key: SideChainKey) -> Any:
     operands = (bf16((m, fab.k), (fab.x_row_stride, 1)), bf16((fab.n, fab.k), (fab.w_row_stride, 1)),
                 bf16((m, fab.n), (fab.n, 1)), bf16((key.fb_n, key.d), (key.w_fb_row_stride, 1)),
                 bf16((m, key.fb_n), (key.fb_n, 1)), work, arrivals, chain)
-    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    with _launches_prefer_max_smem():
-        return cute.compile(gemm, *operands, stream, options=f"--enable-tvm-ffi --gpu-arch {fab.arch}")
+    return _compile_tagged(gemm, operands, fab.arch)
 
 
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")

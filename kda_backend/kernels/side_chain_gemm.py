@@ -16,6 +16,9 @@ two launches, QKVG and this.
   program's, carved from one allocation (:class:`SharedCarve`).
 - Three int32 chain counters, zero before and after: ``[0]`` F_A/beta tiles stored, ``[1]`` CTAs done (the last
   resets all three), ``[2]`` tickets drawn.
+
+The provider checks each launch form on its first use on a device before it serves
+(:func:`~kda_backend.providers.cute_provider.one_launch_error`); one that fails runs as two launches.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from kda_backend.kernels.skinny_gemm import Link, SkinnyGemm, Tactic, row_blocks, validate_link
+from kda_backend.kernels.skinny_gemm import MAX_SMEM_BYTES, Link, SkinnyGemm, Tactic, row_blocks, validate_link
 
 FAB = Link(signals=True, x_ready=True)  # F_A/beta's tiles: load x at once, count each stored tile in
 FB = Link(waits=True)  # F_B's tiles: load f_a once every F_A/beta tile is stored
@@ -41,6 +44,9 @@ def why_not_one_launch(fab: Tactic, fb: Tactic) -> str | None:
         return "one launch trailing QKVG needs programmatic launch in both tactics"
     if fab.x_tma or fab.x_bulk or fb.x_tma or fb.x_bulk:
         return "one launch takes activations by cp.async only (no x_tma or x_bulk)"
+    smem = max(fab.smem_bytes(), fb.smem_bytes()) + TICKET_BYTES
+    if smem > MAX_SMEM_BYTES:
+        return f"one launch needs {smem} B of shared memory > {MAX_SMEM_BYTES}"
     return None
 
 
@@ -53,6 +59,7 @@ class SharedCarve:
         self._base, self._size, self._offset = base, size, 0
 
     def allocate_tensor(self, dtype, layout, byte_alignment: int = 1) -> cute.Tensor:
+        byte_alignment = max(byte_alignment, dtype.width // 8)  # at least the element's, as SmemAllocator aligns
         start = -(-self._offset // byte_alignment) * byte_alignment
         self._offset = start + cute.cosize(layout) * dtype.width // 8
         if self._offset > self._size:

@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
+from kda_backend.accuracy import output_error
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.kernels.compile_cache import SideChainKey, compiled_gemms, kernel_key
 from kda_backend.kernels.side_chain_gemm import why_not_one_launch
 from kda_backend.kernels.skinny_gemm import ELEMS_PER_COPY, NO_LINK, Link, Tactic, output_tiles, validate_link
 from kda_backend.kernels.tactics import AnyTactic, default_for, for_m, max_m, validate_any, why_not_for
 from kda_backend.kernels.wgmma_gemm import WgmmaTactic
+from kda_backend.log import warn_once
 from kda_backend.providers.base import GemmCall, GemmProvider, Launcher, TrailingLauncher, cuda_bf16_reason
 
 SUPPORTED_MAJORS = (9, 10)
@@ -172,7 +174,12 @@ class CuteDslProvider(GemmProvider):
             ) -> None:
                 chain_kernel(x, w_fab, fab, w_fb, g1, *per_stream.current())
 
-            return run_one_launch
+            reason = one_launch_error(run_one_launch, fab_call, fb_call, device)
+            if reason is None:
+                return run_one_launch
+            warn_once(f"one-launch-{key}", f"side chain trailing QKVG at M={fab_call.m}: one launch of "
+                      f"{fab_tactic.key()} and {fb_tactic.key()} computed wrongly on {device} ({reason}); "
+                      "it runs as two launches")
         first = self._kernel(fab_tactic, fab_call, device, SIGNALS)
         second = self._kernel(fb_tactic, fb_call, device, WAITS)
         expected = output_tiles(fab_tactic, fab_call.n, fab_call.m)  # F_A/beta's tiles, what F_B waits for
@@ -217,6 +224,44 @@ class PerStream:
             stream = torch.cuda.current_stream(self._device)
             operands = self._by_stream[stream.cuda_stream] = self._make(stream)
         return operands
+
+
+def one_launch_error(run: TrailingLauncher, fab_call: GemmCall, fb_call: GemmCall, device: torch.device) -> str | None:
+    """Why the one-launch side chain ``run`` must not serve on ``device``, or ``None``: run twice on random
+    operands of the calls' shapes, outputs poisoned with NaN, F_A/beta's and F_B's outputs against fp32
+    (:func:`~kda_backend.accuracy.output_error`), the two runs bitwise equal and the stream's counters
+    zero after them. Checked once per launcher, outside any capture, before it serves: the kernel has a first use
+    on every device, and a wrong one then costs a warning and a launch per call instead of wrong results. A
+    failing check leaves the stream's counters zeroed for the two-launch form."""
+    m, n, k, d = fab_call.m, fab_call.n, fab_call.k, fb_call.k
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the side chain trailing QKVG at M={m} was not prepared before CUDA-graph capture; call "
+                           "prepare() first")
+    stream = torch.cuda.current_stream(device)
+    try:
+        x = torch.randn(m, fab_call.x_row_stride, device=device, dtype=torch.bfloat16)[:, :k]
+        w_fab = (torch.randn(n, fab_call.w_row_stride, device=device) * k**-0.5).bfloat16()[:, :k]
+        w_fb = (torch.randn(fb_call.n, fb_call.w_row_stride, device=device) * d**-0.5).bfloat16()[:, :d]
+        runs = []
+        for _ in range(2):
+            fab, g1 = (torch.full((m, cols), float("nan"), device=device, dtype=torch.bfloat16)
+                       for cols in (n, fb_call.n))
+            run(x, w_fab, fab, w_fb, g1)
+            runs.append((fab, g1))
+        stream.synchronize()
+        fab, g1 = runs[0]
+        reason = (output_error(fab, x.float() @ w_fab.float().t())
+                  or output_error(g1, fab[:, :d].float() @ w_fb.float().t()))
+        if reason is None and not all(torch.equal(a, b) for a, b in zip(*runs)):
+            reason = "two runs differ"
+        if reason is None and arrival_counters.chain_for_stream(stream).any():
+            reason = "its chain counters were not left at zero"
+    except Exception as exc:  # a launch the device refuses
+        reason = f"{type(exc).__name__}: {exc}"
+    if reason is not None:
+        arrival_counters.chain_for_stream(stream).zero_()
+        arrival_counters.for_stream(stream, 1).zero_()
+    return reason
 
 
 def _current_device() -> torch.device:
