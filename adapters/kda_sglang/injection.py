@@ -69,23 +69,29 @@ def kda_selected() -> bool:
 
 def graph_token_counts() -> tuple[int, ...]:
     """The token counts SGLang's decode CUDA graphs run a layer at: each captured batch size times the tokens per
-    request (the draft tokens a target verifies under speculative decoding, else 1); empty without decode graphs
-    (disabled, or a configuration resolved without a model, which leaves them unset)."""
+    request (the draft tokens a target verifies under speculative decoding, each candidate's under adaptive
+    speculation, else 1); empty without decode graphs (disabled, or a configuration resolved without a model,
+    which leaves them unset)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
     from sglang.srt.runtime_context import get_exec, get_spec
+    from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_utils import resolve_num_tokens_per_req
 
     config = get_exec().graph.cuda_graph_config
     if config is None or config.decode.backend == Backend.DISABLED or not config.decode.bs:
         return ()
-    decode = config.decode
-    algorithm = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
-    per_request = 1
-    if algorithm.is_speculative():
+    spec = get_spec()
+    algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
+    widths = {1}
+    if algorithm.is_speculative() and spec.speculative_adaptive:
+        # A target-verify graph per candidate step, of steps + 1 tokens per request (SGLang's adaptive runtime
+        # states capture each for the batch sizes that can reach that step: a subset of these).
+        widths = {steps + 1 for steps in resolve_candidate_steps_from_config(spec.speculative_adaptive_config)}
+    elif algorithm.is_speculative():
         # None where an algorithm sets no verify width (not Kimi-K3's): its graphs then run the batch sizes as given.
-        per_request = resolve_num_tokens_per_req(phase="target_verify", spec_algorithm=algorithm) or 1
-    return tuple(sorted({bs * per_request for bs in decode.bs}))
+        widths = {resolve_num_tokens_per_req(phase="target_verify", spec_algorithm=algorithm) or 1}
+    return tuple(sorted({bs * width for bs in config.decode.bs for width in widths}))
 
 
 def deterministic_inference() -> bool:

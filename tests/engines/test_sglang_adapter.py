@@ -571,12 +571,19 @@ def test_cuda_graph_token_counts_reach_the_projection(k3_model_path, monkeypatch
     monkeypatch.setattr(layer_module, "build_projection", spy)
     eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", "4"]
-    for argv, per_request in (([], 1), (eagle, 4)):
+    for argv, widths in (([], {1}), (eagle, {4}), ([*eagle, "--speculative-adaptive"], None)):
         server_args = _resolve(k3_model_path, "sm90", ["--attention-backend", "kda", "--cuda-graph-bs-decode",
                                                         "1", "2", "8", *argv], tp=1)
         with _published(server_args):
+            if widths is None:  # adaptive: a verify width per candidate step (SGLang's default config: 0, 1, 3, 5, 7)
+                from sglang.srt.runtime_context import get_spec
+                from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
+
+                assert get_spec().speculative_adaptive, "SGLang turned adaptive speculation off for this config"
+                widths = {steps + 1 for steps in resolve_candidate_steps_from_config(None)}
+                assert widths == {1, 2, 4, 6, 8}
             _build_layer()
-        assert seen.pop() == tuple(bs * per_request for bs in (1, 2, 8))
+        assert seen.pop() == tuple(sorted({bs * width for bs in (1, 2, 8) for width in widths}))
     server_args = _resolve(k3_model_path, "sm90", ["--attention-backend", "kda", "--disable-cuda-graph"], tp=1)
     with _published(server_args):
         _build_layer()
