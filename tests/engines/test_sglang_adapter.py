@@ -51,13 +51,17 @@ K3_CONFIG = {
 }
 _CUDA = dict(is_cuda=True, is_hip=False, is_npu=False, is_xpu=False, is_musa=False, is_mps=False, is_sm110=False,
              is_sm120=False, has_flashinfer=True)
-# What SGLang's probes answer on an H200 (CUDA >= 12.3) and a B200; `delegate` is SGLang's default for Kimi-K3 there.
+# What SGLang's probes answer on an H200 (CUDA >= 12.3), a B200 and a B300; `delegate` is SGLang's default for Kimi-K3
+# there.
 PLATFORMS = {
     "sm90": dict(facts=dict(_CUDA, is_sm90=True, is_hopper_with_cuda_12_3=True, is_sm100=False,
                             is_sm100_or_sm110=False, is_blackwell=False, device_sm=90, device_capability=(9, 0)),
                  delegate="fa3"),
     "sm100": dict(facts=dict(_CUDA, is_sm90=False, is_hopper_with_cuda_12_3=False, is_sm100=True,
                              is_sm100_or_sm110=True, is_blackwell=True, device_sm=100, device_capability=(10, 0)),
+                  delegate="trtllm_mla"),
+    "sm103": dict(facts=dict(_CUDA, is_sm90=False, is_hopper_with_cuda_12_3=False, is_sm100=True,
+                             is_sm100_or_sm110=True, is_blackwell=True, device_sm=103, device_capability=(10, 3)),
                   delegate="trtllm_mla"),
 }
 SPECULATIVE = {"no-spec": [], "eagle": ["--speculative-algorithm", "EAGLE"]}
