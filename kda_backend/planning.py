@@ -107,7 +107,9 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
         if (found is None or missing) and env.flag("KDA_BACKEND_AUTOTUNE"):
             ms = sorted({*(found.steps if found else ()), *(m for m in sizes if m <= MAX_TUNED_M)}) or DEFAULT_MS
             get_logger().info("tuning the plan for %s tp%d at M = %s", key["device"], geometry.tp_size, spans(ms))
-            found = autotune(geometry, device, ms)
+            # Tuning draws random weights: the host's random state (an engine's sampling) stays as it was.
+            with torch.random.fork_rng(devices=[device] if torch.cuda.is_available() else [], device_type="cuda"):
+                found = autotune(geometry, device, ms)
             try:
                 get_logger().info("plan stored in %s", plan_store.save(key, found))
             except OSError as exc:  # a read-only cache folder: the tuned plan still serves this process

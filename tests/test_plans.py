@@ -242,6 +242,26 @@ def test_autotune_at_load_tunes_exactly_the_hosts_batch_sizes(fake_gpu, monkeypa
     assert again == plan and len(tuned) == 1
 
 
+def test_autotune_at_load_leaves_the_hosts_random_state_as_it_was(fake_gpu, monkeypatch):
+    """Tuning draws random weights; an engine's random state (its sampling, seeded before the model loads) is the
+    same after planning as before it."""
+    import kda_backend.autotune
+
+    tune = kda_backend.autotune.autotune
+
+    def drawing(geometry, device, ms=()):
+        torch.randn(1000)
+        return tune(geometry, device, ms)
+
+    monkeypatch.setattr(kda_backend.autotune, "autotune", drawing)
+    monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
+    torch.manual_seed(1234)
+    resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 8])
+    after = torch.randn(4)
+    torch.manual_seed(1234)
+    assert torch.equal(after, torch.randn(4))
+
+
 def test_stored_plan_missing_host_batch_sizes_is_retuned_with_them_or_borrows(fake_gpu, monkeypatch, kda_log):
     key, tuned = fake_gpu
     plan_store.save(key, Plan(steps={1: Step(True), 16: Step(True)}, fallback=SEQUENTIAL_TORCH))

@@ -239,9 +239,15 @@ def one_launch_error(run: TrailingLauncher, fab_call: GemmCall, fb_call: GemmCal
                            "prepare() first")
     stream = torch.cuda.current_stream(device)
     try:
-        x = torch.randn(m, fab_call.x_row_stride, device=device, dtype=torch.bfloat16)[:, :k]
-        w_fab = (torch.randn(n, fab_call.w_row_stride, device=device) * k**-0.5).bfloat16()[:, :k]
-        w_fb = (torch.randn(fb_call.n, fb_call.w_row_stride, device=device) * d**-0.5).bfloat16()[:, :d]
+        # A generator of its own: the host's random state (an engine's sampling) stays as it was.
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def randn(rows: int, cols: int, scale: float) -> torch.Tensor:
+            return (torch.randn(rows, cols, generator=gen, device=device) * scale).bfloat16()
+
+        x = randn(m, fab_call.x_row_stride, 1.0)[:, :k]
+        w_fab = randn(n, fab_call.w_row_stride, k**-0.5)[:, :k]
+        w_fb = randn(fb_call.n, fb_call.w_row_stride, d**-0.5)[:, :d]
         runs = []
         for _ in range(2):
             fab, g1 = (torch.full((m, cols), float("nan"), device=device, dtype=torch.bfloat16)
