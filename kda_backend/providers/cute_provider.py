@@ -163,7 +163,10 @@ class CuteDslProvider(GemmProvider):
             return work, arrivals, arrival_counters.chain_for_stream(stream)
 
         per_stream = PerStream(operands, device)
-        if why_not_one_launch(fab_tactic, fb_tactic) is None and fb_call.x_row_stride == fab_call.n:
+        # One launch where the tactics allow and its first-use check can run (not inside a capture: a launcher first
+        # built there takes the two-launch form, the same bits).
+        one_launch = why_not_one_launch(fab_tactic, fb_tactic) is None and fb_call.x_row_stride == fab_call.n
+        if one_launch and not torch.cuda.is_current_stream_capturing():
             fab_key = kernel_key(fab_tactic, fab_call.n, fab_call.k, fab_call.x_row_stride, fab_call.w_row_stride,
                                  device)
             key = SideChainKey(fab_key, fb_tactic, fb_call.n, fb_call.k, fb_call.w_row_stride)
@@ -234,9 +237,6 @@ def one_launch_error(run: TrailingLauncher, fab_call: GemmCall, fb_call: GemmCal
     on every device, and a wrong one then costs a warning and a launch per call instead of wrong results. A
     failing check leaves the stream's counters zeroed for the two-launch form."""
     m, n, k, d = fab_call.m, fab_call.n, fab_call.k, fb_call.k
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"the side chain trailing QKVG at M={m} was not prepared before CUDA-graph capture; call "
-                           "prepare() first")
     stream = torch.cuda.current_stream(device)
     try:
         # A generator of its own: the host's random state (an engine's sampling) stays as it was.
