@@ -161,6 +161,10 @@ class KDAProjection:
         self.validate_input(x)
         g = self.geometry
         m = x.shape[0]
+        if m and x.stride(0) != g.hidden_size:
+            # Kernels take rows of exactly hidden elements (compiled for that stride); a row-strided x (every other
+            # row, a slice of a wider buffer) is copied once rather than refused by a kernel mid-stage.
+            x = x.clone(memory_format=torch.contiguous_format)
         if qkvg_out is not None or fab_out is not None or g1_out is not None:
             for name, buf, cols in (("qkvg_out", qkvg_out, g.qkvg_rows), ("fab_out", fab_out, g.fab_rows),
                                     ("g1_out", g1_out, g.local_width)):

@@ -54,6 +54,23 @@ def test_cute_projection_matches_reference(tp, packed, overlap, monkeypatch):
             assert torch.equal(a, b), f"M={m}: two runs differ"
 
 
+@pytest.mark.parametrize("m", [1, 5, 16], ids=lambda m: f"M{m}")
+def test_row_strided_x_through_forced_cute_equals_contiguous_x(m, monkeypatch):
+    """The kernels take rows of exactly hidden elements: every other row of a wider buffer (a row stride the
+    kernels were not compiled for) is served through the CuTe provider, bitwise equal to the same rows contiguous,
+    never refused mid-stage."""
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "cute")
+    w = _weights(8, packed=False)
+    g = w.geometry
+    proj = KDAProjection(w, Plan.uniform(16, Step(overlap=True)))
+    base = torch.randn(2 * m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
+    strided, contiguous = base[::2], base[::2].contiguous()
+    assert strided.stride(0) == 2 * g.hidden_size
+    for a, b in zip(proj(strided), proj(contiguous)):
+        assert torch.equal(a, b)
+    assert all(proj.provider(r, m).name == "cute" for r in ("qkvg", "fab", "fb"))
+
+
 def test_automatic_selection_prefers_cute_on_hopper_and_blackwell():
     w = _weights(8, packed=True)
     proj = KDAProjection(w)
