@@ -179,6 +179,9 @@ def prove_writable(path: Path) -> None:
         pass
 
 
+FORK_HOOK = "kda_host_fork_allowed"
+
+
 class _Refused(Exception):
     """A hook answer outside its contract (the message says what was answered and what is accepted)."""
 
@@ -215,20 +218,23 @@ class Hooks:
         answers = []
         impls = self._impls.get(hook_name)
         if impls is None:
-            impls = self._impls[hook_name] = list(reversed(getattr(self._hook, hook_name).get_hookimpls()))
-        for impl in impls:
+            impls = self._impls[hook_name] = [
+                (impl.plugin_name, impl.function, impl.argnames, impl.wrapper or impl.hookwrapper)
+                for impl in reversed(getattr(self._hook, hook_name).get_hookimpls())
+            ]
+        for plugin_name, function, argnames, wrapper in impls:
             try:
-                if impl.wrapper or impl.hookwrapper:
+                if wrapper:
                     raise _Refused("is a hook wrapper; kda-backend calls each implementation alone")
-                answer = impl.function(*(kwargs[arg] for arg in impl.argnames))
+                answer = function(*[kwargs[arg] for arg in argnames])
                 if answer is None:
                     continue
-                answers.append((impl.plugin_name, check(answer)))
+                answers.append((plugin_name, check(answer)))
             except Exception as exc:
-                if is_builtin(impl.plugin_name):
+                if is_builtin(plugin_name):
                     raise
                 problem = str(exc) if isinstance(exc, _Refused) else f"raised {type(exc).__name__}: {exc}"
-                drop_plugin(impl.plugin_name, f"{hook_name} {problem}")
+                drop_plugin(plugin_name, f"{hook_name} {problem}")
                 continue
             if first:
                 break
@@ -261,7 +267,25 @@ class Hooks:
         return self._owners.get(provider)
 
     def fork_allowed(self, device: torch.device) -> bool:
-        answers = self._answers("kda_host_fork_allowed", _checked_bool, first=True, device=device)
+        """The first answer of ``kda_host_fork_allowed``. Asked on every overlapped projection call, so where every
+        implementation takes ``device`` and answers a bool or ``None`` they are called directly; anything else (a
+        wrapper, a raise, an answer outside the contract) takes the checked path that reports it."""
+        impls = self._impls.get(FORK_HOOK)
+        if impls is not None:
+            for _, function, argnames, wrapper in impls:
+                if wrapper or len(argnames) != 1:
+                    break
+                try:
+                    answer = function(device)
+                except Exception:
+                    break
+                if answer is True or answer is False:
+                    return answer
+                if answer is not None:
+                    break
+            else:
+                return False
+        answers = self._answers(FORK_HOOK, _checked_bool, first=True, device=device)
         return bool(answers and answers[0][1])
 
     def aux_stream(self, device: torch.device) -> torch.cuda.Stream:

@@ -21,7 +21,7 @@ from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import info_once
 from kda_backend.plan import AUTO, Plan
-from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, TrailingLauncher
+from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, StageLauncher, TrailingLauncher
 from kda_backend.stages import Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
 from kda_backend.weights import ProjectionWeights
 
@@ -41,6 +41,7 @@ class KDAProjection:
         self, weights: ProjectionWeights, plan: Plan | None = None, aux_stream: torch.cuda.Stream | None = None
     ) -> None:
         self.weights = weights
+        self._hidden, self._dtype, self._device = weights.geometry.hidden_size, weights.dtype, weights.device
         self.plan = plan or Plan()
         self.aux_stream = aux_stream
         self._chosen: dict[tuple[str, int], GemmProvider] = {}
@@ -53,6 +54,10 @@ class KDAProjection:
 
     def validate_input(self, x: torch.Tensor) -> None:
         """Raise ``TypeError`` / ``ValueError`` naming what is wrong with ``x`` (before anything is launched)."""
+        # One expression for the accepted case (every eager call pays it); the checks below name what is wrong.
+        if (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] == self._hidden and x.dtype == self._dtype
+                and x.device == self._device and (x.stride(1) == 1 or not x.shape[0])):
+            return
         w = self.weights
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -198,9 +203,9 @@ class KDAProjection:
             step = self.plan.step(m)
             gemms = {role: self._gemm(role, m, self.gemm_call(role, m)) for role in ROLES}
             if step.overlap:
-                trailing, trail = self._trailing(m, gemms)
+                trailing, trail, whole = self._trailing(m, gemms)
                 stage: SequentialStage = OverlappedStage(
-                    **gemms, trailing=trailing, trail=trail, aux_stream=self.aux_stream
+                    **gemms, trailing=trailing, trail=trail, whole=whole, aux_stream=self.aux_stream
                 )
             else:
                 stage = SequentialStage(**gemms)
@@ -217,23 +222,26 @@ class KDAProjection:
         provider = self.provider(role, m)
         return Gemm(role, provider, provider.launcher(call))
 
-    def _trailing(self, m: int, gemms: dict[str, Gemm]) -> tuple[GemmProvider | None, TrailingLauncher | None]:
+    def _trailing(
+        self, m: int, gemms: dict[str, Gemm]
+    ) -> tuple[GemmProvider | None, TrailingLauncher | None, StageLauncher | None]:
         """The provider that runs an overlapped step's side chain behind its own QKVG launch on one stream (where
-        the host does not allow a fork) and its bound launcher: the one serving all three GEMMs, if it can; else
-        ``(None, None)`` and the side chain runs after QKVG."""
+        the host does not allow a fork), its bound launcher and its whole stage as one launch (eager calls; ``None``
+        where it has none): the one serving all three GEMMs, if it can; else ``(None, None, None)`` and the side
+        chain runs after QKVG."""
         provider = gemms["qkvg"].provider
         if any(gemm.provider is not provider for gemm in gemms.values()):
-            return None, None
+            return None, None, None
         calls = {role: self.gemm_call(role, m) for role in ROLES}
         if dispatch.broken_reason(provider.name) is not None:
-            return None, None
+            return None, None, None
         try:
             if provider.why_not_trailing(calls) is not None:
-                return None, None
-            return provider, provider.trailing_launcher(calls)
+                return None, None, None
+            return provider, provider.trailing_launcher(calls), provider.stage_launcher(calls)
         except Exception as exc:  # a plugin's provider may fail in any way; its GEMMs then run one after another
             dispatch.mark_broken(provider, f"trailing side chain: {type(exc).__name__}: {exc}")
-            return None, None
+            return None, None, None
 
     def _recover(self, failed: LaunchFailed, m: int) -> None:
         """After a launch failed: re-raise where the provider was forced (or is torch, the last resort), else mark

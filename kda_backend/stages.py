@@ -6,8 +6,9 @@ called with operands only.
   bit for bit); taken when the torch provider serves both big GEMMs and the caller gave no output buffers.
 - :class:`OverlappedStage`: the F_A/beta -> F_B side chain beside QKVG: forked onto the aux stream while the host
   allows a fork, else trailing QKVG's launch on the same stream where one provider serves all three GEMMs
-  (:meth:`~kda_backend.providers.base.GemmProvider.trailing_launcher`), else after QKVG. The same kernels, so the same
-  bits, on every path.
+  (:meth:`~kda_backend.providers.base.GemmProvider.trailing_launcher`; an eager call outside any capture launches
+  the whole stage at once where that provider can, :meth:`~kda_backend.providers.base.GemmProvider.stage_launcher`),
+  else after QKVG. The same kernels' tiles, so the same bits, on every path.
 
 A stage calls its providers' launchers directly: no selection, lookup or hook call per call except the host's fork
 permission. A launcher that raises is reported as :class:`LaunchFailed`, naming its provider, so the projection can
@@ -23,7 +24,7 @@ import torch
 from kda_backend.log import warn_once
 from kda_backend.overlap import OverlapScheduler
 from kda_backend.plugins import hooks
-from kda_backend.providers.base import GemmProvider, Launcher, TrailingLauncher
+from kda_backend.providers.base import GemmProvider, Launcher, StageLauncher, TrailingLauncher
 from kda_backend.weights import ProjectionWeights
 
 
@@ -95,11 +96,15 @@ class OverlappedStage(SequentialStage):
     :param trailing: the provider serving all three GEMMs when it can trail the side chain behind its own QKVG
         launch on one stream, else ``None``.
     :param trail: that provider's bound trailing side chain (with ``trailing``).
+    :param whole: that provider's whole stage as one launch, for eager calls (``None``: it has none here). An
+        eager call costs the host more than the GPU at small M, and each launch is host time; inside a capture
+        the stage keeps the trailing form, whose GPU time is the tuned one.
     :param aux_stream: the fork's stream (``None``: ask the host on the first fork).
     """
 
     trailing: GemmProvider | None = None
     trail: TrailingLauncher | None = None
+    whole: StageLauncher | None = None
     aux_stream: torch.cuda.Stream | None = None
     scheduler: OverlapScheduler = dataclasses.field(default_factory=OverlapScheduler)
     mode = "overlap"
@@ -115,6 +120,12 @@ class OverlappedStage(SequentialStage):
             self.scheduler.run(
                 lambda: self.qkvg(x, w.w_qkvg, qkvg), lambda: run_side_chain(self.fab, self.fb, x, w, fab, g1), aux
             )
+            return
+        if self.whole is not None and g1 is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            try:
+                self.whole(x, w.w_qkvg, qkvg, w.w_fab, fab, w.w_fb, g1)
+            except Exception as exc:
+                raise LaunchFailed(self.trailing, "one-launch stage") from exc
             return
         self.qkvg(x, w.w_qkvg, qkvg)
         if self.trail is not None and g1 is not None:

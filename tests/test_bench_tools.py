@@ -10,7 +10,7 @@ import pytest
 import torch
 
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
-TOOLS = ["eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_timeline"]
+TOOLS = ["eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_forms", "stage_timeline"]
 
 
 @pytest.fixture
@@ -47,6 +47,7 @@ def test_help_as_a_script(name):
         ("kernel_sweep", ["--skip-check"]),
         ("qkvg_tactics", ["1,16", "n48k256s4p"]),
         ("side_chain", ["1,16", "split"]),
+        ("stage_forms", ["1,16"]),
         ("stage_timeline", ["1,16"]),
     ],
 )

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kda_backend.geometry import preset, valid_tp_sizes
-from kda_backend.kernels.compile_cache import KernelKey, SideChainKey, compile_gemm, target_arch
-from kda_backend.kernels.side_chain_gemm import why_not_one_launch
+from kda_backend.kernels.compile_cache import KernelKey, SideChainKey, StageKey, compile_gemm, target_arch
+from kda_backend.kernels.side_chain_gemm import why_not_one_launch, why_not_one_launch_stage
 from kda_backend.kernels.skinny_gemm import (
     Link,
     Tactic,
@@ -298,7 +298,7 @@ def test_tma_excludes_l1_path():
 def _compile_and_dump(key: KernelKey, dump_dir, keep: str = "ptx") -> str:
     """Compile ``key`` in a fresh process with the DSL keeping ``keep`` artifacts in ``dump_dir``; its PTX text."""
     code = (
-        "from kda_backend.kernels.compile_cache import KernelKey, SideChainKey, compile_gemm\n"
+        "from kda_backend.kernels.compile_cache import KernelKey, SideChainKey, StageKey, compile_gemm\n"
         "from kda_backend.kernels.skinny_gemm import Link, Tactic\n"
         "from kda_backend.kernels.wgmma_gemm import WgmmaTactic\n"
         f"compile_gemm({key!r})\n"
@@ -647,6 +647,58 @@ def test_side_chain_in_one_launch_draws_tickets_waits_and_counts_out(arch, tp, t
     assert max(signal, poll) < count_out < final_wait
     resets = re.findall(r"st\.global\.b32\s+\[(%rd\d+)(?:\+(\d+))?\], 0;", text[count_out:final_wait])
     assert len({reg for reg, _ in resets}) == 1 and sorted(int(off or 0) for _, off in resets) == [0, 4, 8]
+
+
+def test_eager_stage_runs_as_one_launch_with_the_plans_qkvg_order():
+    """An eager call's whole stage is one launch where QKVG runs the mma.sync kernel unsplit: the plan's tactic, in
+    16-row CTAs where its thread count differs from the side chain's (48-row CTAs run two warps), with activations
+    by cp.async; a wgmma or split-K QKVG keeps its launches (its sums run in another order)."""
+    p = CuteDslProvider()
+
+    def with_qkvg(tactic, m=16):
+        calls = {role: dataclasses.replace(call, m=m) for role, call in _stage_calls(8).items()}
+        return calls | {"qkvg": dataclasses.replace(calls["qkvg"], tuned=tactic)}
+
+    tuned = Tactic(48, 256, 16, 4, x_via_l1=False)
+    assert p.stage_tactic(with_qkvg(tuned)) == Tactic(16, 256, 16, 4, x_via_l1=False)
+    assert p.stage_tactic(with_qkvg(Tactic(16, 256, 16, 4, x_via_l1=False, x_bulk=True), m=1)) == Tactic(
+        16, 256, 16, 4, x_via_l1=False)
+    assert p.why_not_stage(with_qkvg(tuned)) is None
+    for tp in (4, 8, 16):
+        for m in (1, 16, 32):  # the defaults (wgmma QKVG from 33 tokens on Hopper)
+            calls = {role: dataclasses.replace(call, m=m) for role, call in _stage_calls(tp, row_multiple=8).items()}
+            assert p.why_not_stage(calls) is None, (tp, m)
+    assert p.stage_tactic(with_qkvg(WgmmaTactic(64, 64, 64, 12), m=64)) is None
+    assert p.stage_tactic(with_qkvg(Tactic(16, 128, 16, 4, split_k=2))) is None
+    fab, fb = p.trailing_tactics(_stage_calls(8))
+    assert "runs 64 threads" in why_not_one_launch_stage(tuned, fab, fb)
+    assert "must be programmatic" in why_not_one_launch_stage(Tactic(16, 256, 16, 4, pdl=False), fab, fb)
+    assert "B of shared memory" in why_not_one_launch_stage(Tactic(16, 512, 64, 6), fab, fb)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", [8, 16], ids=lambda t: f"tp{t}")
+def test_stage_in_one_launch_waits_before_its_tickets(arch, tp, tmp_path):
+    """The whole stage as one launch: every CTA waits for the launch before it, then draws its ticket (a stage
+    launched before on the stream has reset the counters by then, and x is complete); QKVG's program waits and
+    releases as its own kernel does, F_A/beta's releases at once, F_B's polls; the last CTA resets the counters."""
+    roles = _roles(tp, row_multiple=8)
+    n, k, xs = roles["fab"]
+    fb_n, d, _ = roles["fb"]
+    qkvg_n = roles["qkvg"][0]
+    calls = _stage_calls(tp, row_multiple=8)
+    p = CuteDslProvider()
+    fab, fb = p.trailing_tactics(calls)
+    key = StageKey(SideChainKey(KernelKey(fab, n, k, xs, k, arch), fb, fb_n, d, d), p.stage_tactic(calls), qkvg_n, k)
+    text = _compile_and_dump(key, tmp_path)
+    first_wait, ticket = text.index("griddepcontrol.wait"), text.index("atom.global.add.u32")
+    assert first_wait < ticket < text.index("cp.async") and ticket < text.index("griddepcontrol.launch_dependents")
+    # Releases: F_A/beta's, QKVG's (after its own wait) and F_B's; waits: before the ticket, QKVG's, the last.
+    assert text.count("griddepcontrol.launch_dependents") == 3 and text.count("griddepcontrol.wait") == 3
+    count_out = text.rindex("atom.global.acq_rel.add")
+    resets = re.findall(r"st\.global\.b32\s+\[(%rd\d+)(?:\+(\d+))?\], 0;", text[count_out:])
+    assert sorted(int(off or 0) for _, off in resets) == [0, 4, 8]
+    assert text.rindex("griddepcontrol.wait") > count_out
 
 
 @pytest.mark.parametrize("arch", ARCHS)

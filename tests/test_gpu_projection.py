@@ -9,6 +9,7 @@ from numerics import assert_close, projection_outputs
 from kda_backend import KDAProjection, Plan, ProjectionWeights, Step
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
+from kda_backend.kernels.compile_cache import StageKey, compiled_gemms
 from kda_backend.kernels.skinny_gemm import Tactic
 from kda_backend.kernels.wgmma_gemm import WgmmaTactic, default_wgmma_tactic
 from kda_backend.reference import KDALayerWeights, reference_projection
@@ -82,11 +83,11 @@ def _layers(n, packed):
     return [_weights(8, packed, seed=100 + i) for i in range(n)]
 
 
-@pytest.mark.parametrize("m", [1, 4, 12, 16])
+@pytest.mark.parametrize("m", [1, 4, 12, 16, 24, 32])
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 def test_graph_replay_equals_eager_bitwise(m, packed):
-    """Several overlapped layers sharing one aux stream, captured; replays with new inputs equal eager (where the
-    side chain trails QKVG on one stream)."""
+    """Several overlapped layers sharing one aux stream, captured; replays with new inputs equal eager (where each
+    layer's stage is one launch: 16-row QKVG CTAs beside the side chain, over one or two token tiles)."""
     _check_replay_equals_eager(m, packed, Step(overlap=True))
 
 
@@ -162,6 +163,9 @@ def _check_replay_equals_eager(m, packed, step, tactics=None):
         p.prepare([m])
         if step.overlap and step.fab != "torch":  # eager cannot fork: the side chain trails QKVG on one stream
             assert p.stage(m).trailing is not None
+            # An mma.sync QKVG runs beside it in one launch (wgmma sums in another order: two launches).
+            mma_sync = isinstance(p.provider("qkvg", m).tactic(p.gemm_call("qkvg", m)), Tactic)
+            assert (p.stage(m).whole is not None) == mma_sync
     g = weights[0].geometry
     x_static = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
 
@@ -191,6 +195,22 @@ def _check_replay_equals_eager(m, packed, step, tactics=None):
             for name, a, b in zip(("qkvg", "g1", "beta"), c, e):
                 assert torch.equal(a, b), f"trial {trial} layer {layer} {name} differs"
         _assert_close_to_reference(eager[0], x_new, weights[0])
+
+
+def test_one_launch_stage_that_differs_from_its_launches_is_not_used(monkeypatch, kda_log):
+    """The one-launch stage is checked on first use against the separate launches: one whose kernel writes nothing
+    gives one warning, and eager calls launch QKVG and trail the side chain, with the reference's results."""
+    real_get = compiled_gemms.get
+    monkeypatch.setattr(compiled_gemms, "get", lambda key, folder=None: (lambda *operands: None) if isinstance(
+        key, StageKey) else real_get(key, folder))
+    w = _weights(8, packed=False, seed=5)
+    proj = KDAProjection(w, Plan.uniform(16, Step(overlap=True)))
+    proj.prepare([4])
+    assert proj.stage(4).whole is None and proj.stage(4).trail is not None
+    warnings = [m for m in kda_log.messages() if "in one launch" in m]
+    assert len(warnings) == 1 and "qkvg differs from its separate launch" in warnings[0]
+    x = torch.randn(4, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
+    _assert_close_to_reference(proj(x), x, w)
 
 
 def test_overlap_forks_only_inside_capture():

@@ -318,6 +318,53 @@ def test_failing_trailing_side_chain_falls_back_with_one_warning(kda_log):
     assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
 
 
+class _WholeStage(_Trailer):
+    """A trailing provider that also launches the whole stage at once (torch on the CPU)."""
+
+    name = "whole"
+
+    def stage_launcher(self, calls):
+        def whole(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1):
+            self.calls.append("whole")
+            if self.fail:
+                raise RuntimeError("stage broke")
+            torch.mm(x, w_qkvg.t(), out=qkvg)
+            torch.mm(x, w_fab.t(), out=fab)
+            torch.mm(fab[:, : w_fb.shape[1]], w_fb.t(), out=g1)
+
+        return whole
+
+
+def test_eager_call_launches_the_whole_stage_and_a_capture_trails_the_side_chain(monkeypatch):
+    """Without a fork, an eager call runs the provider's one-launch stage; inside a capture (no fork either: a
+    piecewise graph) the same step launches QKVG and trails its side chain, the form its tuned time is for."""
+    provider = _WholeStage()
+    register_plugin(_Plugin(provider), provider.name)
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True)))
+    x = torch.randn(4, TINY.hidden_size).bfloat16()
+    _check_against_reference(proj, x)
+    assert provider.calls == ["whole"] and proj.stage(4).whole is not None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    _check_against_reference(proj, x)
+    assert provider.calls == ["whole", "qkvg", "trailing"]
+    provider.calls.clear()
+    proj(x, compute_fb=False)  # no F_B: neither form, the GEMMs one after another
+    assert provider.calls == ["qkvg", "fab"]
+
+
+def test_failing_whole_stage_falls_back_with_one_warning(kda_log):
+    """A one-launch stage that raises marks its provider broken (one warning); the call is computed again without
+    it."""
+    provider = _WholeStage(fail=True)
+    register_plugin(_Plugin(provider), provider.name)
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True)))
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert dispatch.broken_reason(provider.name) == "one-launch stage: RuntimeError: stage broke"
+    assert provider.calls == ["whole"]
+    assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
+
+
 @pytest.mark.parametrize("step", [Step(overlap=False), Step(overlap=True)], ids=["sequential", "overlap"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "split"])
 def test_without_fb_no_fb_gemm_runs_and_the_rest_is_unchanged(step, packed):

@@ -2,8 +2,9 @@
 
 An eager call's GPU work at small M is shorter than the time the host takes to issue it, so the host's cost is
 the call's cost. For each M this prints the host microseconds to issue: the whole call (outputs allocated, and
-into given buffers), the stage alone, one CuTe QKVG launch, that launch with the side chain trailing it, the input
-check, the fork question to the host, three output allocations, and three ``torch.mm`` calls for comparison.
+into given buffers), the stage alone, its one-launch form, one CuTe QKVG launch, that launch with the side chain
+trailing it, the input check, the fork question to the host, three output allocations, and three ``torch.mm``
+calls for comparison.
 Each is the median over bursts of 8 calls issued from an idle GPU (so no launch waits for room in the launch
 queue), one synchronization after each burst. The plan is overlapped with the CuTe kernels' default tactics.
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
             "proj(x)": lambda: proj(x),
             "proj(x, outputs)": lambda: proj(x, qkvg, fab, g1),
             "stage.run": lambda: stage.run(x, w, qkvg, fab, g1),
+            "stage in one launch": (lambda: stage.whole(x, w.w_qkvg, qkvg, w.w_fab, fab, w.w_fb, g1))
+            if stage.whole else None,
             "QKVG launch": lambda: stage.qkvg.launch(x, w.w_qkvg, qkvg),
             # The side chain only ever trails its own QKVG launch (F_A/beta loads x without waiting; two side chains
             # back to back would share the stream's counters at once).
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         print(f"M={m}")
         for name, call in rows.items():
-            print(f"  {name:22s} " + (f"{host_us(call):7.2f} us" if call is not None else "  (no trailing side chain)"),
+            print(f"  {name:22s} " + (f"{host_us(call):7.2f} us" if call is not None else "  (not built for this M)"),
                   flush=True)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from kda_backend.kernels import l2_cache_policy, side_chain_gemm, skinny_gemm, wgmma_gemm
 from kda_backend.kernels.arrival_counters import CHAIN_COUNTERS
-from kda_backend.kernels.side_chain_gemm import SideChainGemm
+from kda_backend.kernels.side_chain_gemm import SideChainGemm, StageGemm
 from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
 from kda_backend.kernels.wgmma_gemm import WgmmaGemm, WgmmaTactic
 from kda_backend.log import warn_once
@@ -60,6 +60,17 @@ class SideChainKey:
     fb_n: int
     d: int
     w_fb_row_stride: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StageKey:
+    """What makes two compiled one-launch stages (:class:`~kda_backend.kernels.side_chain_gemm.StageGemm`)
+    different: the side chain's key and QKVG's tactic, rows and weight row stride."""
+
+    side_chain: SideChainKey
+    qkvg: Tactic
+    qkvg_n: int
+    w_qkvg_row_stride: int
 
 
 def kernel_key(
@@ -132,7 +143,7 @@ def compile_gemm(key: KernelKey) -> Any:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    if isinstance(key, SideChainKey):
+    if isinstance(key, (SideChainKey, StageKey)):
         return _compile_side_chain(key)
     kernel_class = WgmmaGemm if isinstance(key.tactic, WgmmaTactic) else SkinnyGemm
     gemm = kernel_class(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride, key.link)
@@ -169,16 +180,19 @@ def _compile_tagged(gemm: Any, operands: tuple, arch: str) -> Any:
     return kernel
 
 
-def _compile_side_chain(key: SideChainKey) -> Any:
+def _compile_side_chain(key: SideChainKey | StageKey) -> Any:
     """The TVM-FFI callable ``f(x, w_fab, fab, w_fb, g1, work, arrivals, chain)`` of one side chain launch (see
-    :meth:`~kda_backend.kernels.side_chain_gemm.SideChainGemm.__call__`)."""
+    :meth:`~kda_backend.kernels.side_chain_gemm.SideChainGemm.__call__`), or for a :class:`StageKey`
+    ``f(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1, work, arrivals, chain)`` of the whole stage (see
+    :meth:`~kda_backend.kernels.side_chain_gemm.StageGemm.__call__`)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    fab = key.fab
-    gemm = SideChainGemm(fab.tactic, key.fb, fab.n, fab.k, fab.x_row_stride, fab.w_row_stride, key.fb_n, key.d,
-                         key.w_fb_row_stride)
+    chain_key = key.side_chain if isinstance(key, StageKey) else key
+    fab = chain_key.fab
+    chain_args = (chain_key.fb, fab.n, fab.k, fab.x_row_stride, fab.w_row_stride, chain_key.fb_n, chain_key.d,
+                  chain_key.w_fb_row_stride)
     m = cute.sym_int32(symbol="M")
 
     def bf16(shape, stride):
@@ -190,10 +204,15 @@ def _compile_side_chain(key: SideChainKey) -> Any:
                                 assumed_align=16)
         arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
     chain = make_fake_tensor(cutlass.Int32, (CHAIN_COUNTERS,), (1,), assumed_align=4)
-    operands = (bf16((m, fab.k), (fab.x_row_stride, 1)), bf16((fab.n, fab.k), (fab.w_row_stride, 1)),
-                bf16((m, fab.n), (fab.n, 1)), bf16((key.fb_n, key.d), (key.w_fb_row_stride, 1)),
-                bf16((m, key.fb_n), (key.fb_n, 1)), work, arrivals, chain)
-    return _compile_tagged(gemm, operands, fab.arch)
+    x = bf16((m, fab.k), (fab.x_row_stride, 1))
+    side_chain = (bf16((fab.n, fab.k), (fab.w_row_stride, 1)), bf16((m, fab.n), (fab.n, 1)),
+                  bf16((chain_key.fb_n, chain_key.d), (chain_key.w_fb_row_stride, 1)),
+                  bf16((m, chain_key.fb_n), (chain_key.fb_n, 1)), work, arrivals, chain)
+    if isinstance(key, StageKey):
+        gemm = StageGemm(key.qkvg, key.qkvg_n, key.w_qkvg_row_stride, fab.tactic, *chain_args)
+        qkvg = (bf16((key.qkvg_n, fab.k), (key.w_qkvg_row_stride, 1)), bf16((m, key.qkvg_n), (key.qkvg_n, 1)))
+        return _compile_tagged(gemm, (x, *qkvg, *side_chain), fab.arch)
+    return _compile_tagged(SideChainGemm(fab.tactic, *chain_args), (x, *side_chain), fab.arch)
 
 
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")

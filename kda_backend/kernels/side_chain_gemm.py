@@ -50,6 +50,21 @@ def why_not_one_launch(fab: Tactic, fb: Tactic) -> str | None:
     return None
 
 
+def why_not_one_launch_stage(qkvg: Tactic, fab: Tactic, fb: Tactic) -> str | None:
+    """``None`` if QKVG's tactic runs in one launch with the side chain's (:class:`StageGemm`), else why not."""
+    reason = why_not_one_launch(fab, fb)
+    if reason is not None:
+        return reason
+    if qkvg.threads != fab.threads:
+        return f"QKVG's tactic {qkvg.key()} runs {qkvg.threads} threads, the side chain's {fab.threads}"
+    if not qkvg.pdl or qkvg.split_k > 1 or qkvg.x_tma or qkvg.x_bulk:
+        return f"QKVG's tactic {qkvg.key()} must be programmatic, unsplit, with activations by cp.async"
+    smem = max(qkvg.smem_bytes(), fab.smem_bytes(), fb.smem_bytes()) + TICKET_BYTES
+    if smem > MAX_SMEM_BYTES:
+        return f"one launch of the stage needs {smem} B of shared memory > {MAX_SMEM_BYTES}"
+    return None
+
+
 class SharedCarve:
     """Shared-memory tensors carved in order from one allocation of ``size`` bytes at ``base``, with the
     ``allocate_tensor`` of ``cutlass.memory.SmemAllocator``: the programs of one launch each carve their own from the
@@ -86,6 +101,19 @@ class SideChainGemm:
         self.d = d
         self.area = max(fab.smem_bytes(), fb.smem_bytes())
 
+    def fa_view(self, m_fab: cute.Tensor) -> cute.Tensor:
+        """F_B's activations: F_A's columns of F_A/beta's output in place, (M, D) with F_A/beta's row stride."""
+        return cute.make_tensor(m_fab.iterator, cute.make_layout((m_fab.shape[0], self.d), stride=(self.fab.n, 1)))
+
+    def ctas(self, m_tokens) -> int:
+        """CTAs of both programs over ``m_tokens`` tokens: one per F_A/beta tile and K part, one per F_B tile."""
+        fb = self.fb.tactic
+        return self.fab_ctas(m_tokens) + row_blocks(self.fb.n, fb.block_n) * cute.ceil_div(m_tokens, fb.block_t)
+
+    def fab_ctas(self, m_tokens) -> int:
+        fab = self.fab.tactic
+        return row_blocks(self.fab.n, fab.block_n) * cute.ceil_div(m_tokens, fab.block_t) * fab.split_k
+
     @cute.jit
     def __call__(
         self,
@@ -103,47 +131,60 @@ class SideChainGemm:
         (M, fab_n) contiguous, ``m_w_fb`` (fb_n, D), ``m_g1`` (M, fb_n) contiguous, all bf16; with F_A/beta split
         along K its workspace (split_k, M, fab_n) and arrival counters (as :meth:`SkinnyGemm.__call__`), else
         ``None``; ``m_chain`` the three int32 chain counters (see the module docstring)."""
-        fab, fb = self.fab.tactic, self.fb.tactic
-        # F_B reads F_A's columns of F_A/beta's output in place: (M, D) with F_A/beta's row stride.
-        m_fa = cute.make_tensor(m_fab.iterator, cute.make_layout((m_fab.shape[0], self.d), stride=(self.fab.n, 1)))
+        m_fa = self.fa_view(m_fab)
         fab_ops = self.fab.launch_operands(m_x, m_w_fab, m_fab, m_work)
         fb_ops = self.fb.launch_operands(m_fa, m_w_fb, m_g1, None)
-        m_tokens = m_x.shape[0]
-        ctas = (row_blocks(self.fab.n, fab.block_n) * cute.ceil_div(m_tokens, fab.block_t) * fab.split_k
-                + row_blocks(self.fb.n, fb.block_n) * cute.ceil_div(m_tokens, fb.block_t))
         self.kernel(m_x, m_w_fab, m_arrivals, m_chain, fab_ops, m_fa, m_w_fb, fb_ops).launch(
-            grid=(ctas, 1, 1), block=[fab.threads, 1, 1], smem=self.area + TICKET_BYTES, stream=stream, use_pdl=True
+            grid=(self.ctas(m_x.shape[0]), 1, 1), block=[self.fab.tactic.threads, 1, 1],
+            smem=self.area + TICKET_BYTES, stream=stream, use_pdl=True,
         )
 
     @cute.kernel
     def kernel(self, m_x, m_w_fab, m_arrivals, m_chain, fab_ops, m_fa, m_w_fb, fb_ops):
         """``fab_ops`` / ``fb_ops``: each program's :meth:`SkinnyGemm.launch_operands`."""
-        fab, fb = self.fab.tactic, self.fb.tactic
         tidx, _, _ = cute.arch.thread_idx()
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(self.area, 128)
+        ticket = self.draw_ticket(smem, m_chain, tidx)
+        fab_ctas = self.fab_ctas(m_x.shape[0])
+        if ticket < fab_ctas:
+            self.fab_program(base, tidx, ticket, m_x, m_w_fab, m_arrivals, m_chain, fab_ops)
+        else:
+            self.fb_program(base, tidx, ticket - fab_ctas, m_x.shape[0], m_chain, m_fa, m_w_fb, fb_ops)
+        self.count_out(m_chain, tidx)
+
+    @cute.jit
+    def draw_ticket(self, smem, m_chain, tidx) -> cutlass.Int32:
+        """This CTA's ticket from ``chain[2]``, broadcast through a shared word carved after the programs' area."""
         s_ticket = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), TICKET_BYTES)
         if tidx == 0:
             s_ticket[0] = cute.arch.atomic_add(m_chain.iterator + 2, cutlass.Int32(1), sem="relaxed", scope="gpu")
         cute.arch.sync_threads()
-        ticket = s_ticket[0]
-        m_tokens = m_x.shape[0]
-        fab_rows = row_blocks(self.fab.n, fab.block_n)
-        fab_tiles = fab_rows * cute.ceil_div(m_tokens, fab.block_t)
-        if ticket < fab_tiles * fab.split_k:
-            m_fab_t, m_work = fab_ops[0], fab_ops[1]
-            self.fab.tile(SharedCarve(base, self.area), tidx, ticket % fab_rows, ticket % fab_tiles // fab_rows,
-                          ticket // fab_tiles, m_x, m_w_fab, m_fab_t, m_work, m_arrivals, m_chain, None,
-                          *fab_ops[2:], own_exit=False)
-        else:
-            f = ticket - fab_tiles * fab.split_k
-            fb_rows = row_blocks(self.fb.n, fb.block_n)
-            self.fb.tile(SharedCarve(base, self.area), tidx, f % fb_rows, f // fb_rows, 0, m_fa, m_w_fb, fb_ops[0],
-                         None, None, m_chain, fab_tiles, *fb_ops[2:], own_exit=False)
-        self._count_out(m_chain, tidx)
+        return s_ticket[0]
 
     @cute.jit
-    def _count_out(self, m_chain, tidx):
+    def fab_program(self, base, tidx, ticket, m_x, m_w_fab, m_arrivals, m_chain, fab_ops):
+        """F_A/beta's tile (and K part) of ticket ``ticket`` (below :meth:`fab_ctas`), its shared memory carved
+        from ``base``."""
+        fab = self.fab.tactic
+        fab_rows = row_blocks(self.fab.n, fab.block_n)
+        fab_tiles = fab_rows * cute.ceil_div(m_x.shape[0], fab.block_t)
+        self.fab.tile(SharedCarve(base, self.area), tidx, ticket % fab_rows, ticket % fab_tiles // fab_rows,
+                      ticket // fab_tiles, m_x, m_w_fab, fab_ops[0], fab_ops[1], m_arrivals, m_chain, None,
+                      *fab_ops[2:], own_exit=False)
+
+    @cute.jit
+    def fb_program(self, base, tidx, f, m_tokens, m_chain, m_fa, m_w_fb, fb_ops):
+        """F_B's tile ``f``, loading f_a once every F_A/beta tile is stored, its shared memory carved from
+        ``base``."""
+        fab, fb = self.fab.tactic, self.fb.tactic
+        fab_tiles = row_blocks(self.fab.n, fab.block_n) * cute.ceil_div(m_tokens, fab.block_t)
+        fb_rows = row_blocks(self.fb.n, fb.block_n)
+        self.fb.tile(SharedCarve(base, self.area), tidx, f % fb_rows, f // fb_rows, 0, m_fa, m_w_fb, fb_ops[0],
+                     None, None, m_chain, fab_tiles, *fb_ops[2:], own_exit=False)
+
+    @cute.jit
+    def count_out(self, m_chain, tidx):
         """The CTA is done: count it in on ``chain[1]``; the last resets the three counters for the next side chain
         on the stream (acquire-release: the last sees every other CTA's ticket and tile counted before it resets).
         Then wait for QKVG's launch to complete, so that kernels after this one see a completed stage."""
@@ -155,3 +196,75 @@ class SideChainGemm:
                 m_chain[1] = 0
                 m_chain[2] = 0
         cute.arch.griddepcontrol_wait()
+
+
+class StageGemm(SideChainGemm):
+    """The whole stage as one launch (eager calls): QKVG's tiles are a third program beside the side chain's.
+
+    Every CTA first waits for the launch before it (``griddepcontrol.wait``: x is complete, and a stage launched
+    before on the stream has reset its counters), then draws its ticket: F_A/beta's tiles first (they never wait,
+    and they gate F_B), then QKVG's, then F_B's. The tiles are the separate launches' tiles of the same tactics, so
+    the bits are theirs. All three tactics run one thread count (QKVG in 16-row CTAs for Kimi-K3), the launch's
+    shared memory is the largest program's."""
+
+    def __init__(
+        self, qkvg: Tactic, qkvg_n: int, w_qkvg_row_stride: int, fab: Tactic, fb: Tactic, fab_n: int, k: int,
+        x_row_stride: int, w_fab_row_stride: int, fb_n: int, d: int, w_fb_row_stride: int,
+    ) -> None:
+        reason = why_not_one_launch_stage(qkvg, fab, fb)
+        if reason is not None:
+            raise ValueError(reason)
+        super().__init__(fab, fb, fab_n, k, x_row_stride, w_fab_row_stride, fb_n, d, w_fb_row_stride)
+        self.qkvg = SkinnyGemm(qkvg, qkvg_n, k, x_row_stride, w_qkvg_row_stride)
+        self.area = max(self.area, qkvg.smem_bytes())
+
+    def qkvg_tiles(self, m_tokens) -> int:
+        return row_blocks(self.qkvg.n, self.qkvg.tactic.block_n) * cute.ceil_div(m_tokens, self.qkvg.tactic.block_t)
+
+    @cute.jit
+    def __call__(
+        self,
+        m_x: cute.Tensor,
+        m_w_qkvg: cute.Tensor,
+        m_qkvg: cute.Tensor,
+        m_w_fab: cute.Tensor,
+        m_fab: cute.Tensor,
+        m_w_fb: cute.Tensor,
+        m_g1: cute.Tensor,
+        m_work: cute.Tensor | None,
+        m_arrivals: cute.Tensor | None,
+        m_chain: cute.Tensor,
+        stream,
+    ):
+        """``qkvg = x @ w_qkvg.T`` (``m_w_qkvg`` (qkvg_n, K), ``m_qkvg`` (M, qkvg_n) contiguous, bf16) beside the
+        side chain; the other operands as :meth:`SideChainGemm.__call__`'s."""
+        m_fa = self.fa_view(m_fab)
+        qkvg_ops = self.qkvg.launch_operands(m_x, m_w_qkvg, m_qkvg, None)
+        fab_ops = self.fab.launch_operands(m_x, m_w_fab, m_fab, m_work)
+        fb_ops = self.fb.launch_operands(m_fa, m_w_fb, m_g1, None)
+        m_tokens = m_x.shape[0]
+        self.kernel(m_x, m_w_qkvg, qkvg_ops, m_w_fab, m_arrivals, m_chain, fab_ops, m_fa, m_w_fb, fb_ops).launch(
+            grid=(self.ctas(m_tokens) + self.qkvg_tiles(m_tokens), 1, 1), block=[self.fab.tactic.threads, 1, 1],
+            smem=self.area + TICKET_BYTES, stream=stream, use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(self, m_x, m_w_qkvg, qkvg_ops, m_w_fab, m_arrivals, m_chain, fab_ops, m_fa, m_w_fb, fb_ops):
+        """``qkvg_ops`` / ``fab_ops`` / ``fb_ops``: each program's :meth:`SkinnyGemm.launch_operands`."""
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate(self.area, 128)
+        cute.arch.griddepcontrol_wait()
+        ticket = self.draw_ticket(smem, m_chain, tidx)
+        m_tokens = m_x.shape[0]
+        fab_ctas, qkvg_tiles = self.fab_ctas(m_tokens), self.qkvg_tiles(m_tokens)
+        if ticket < fab_ctas:
+            self.fab_program(base, tidx, ticket, m_x, m_w_fab, m_arrivals, m_chain, fab_ops)
+        elif ticket < fab_ctas + qkvg_tiles:
+            q = ticket - fab_ctas
+            rows = row_blocks(self.qkvg.n, self.qkvg.tactic.block_n)
+            self.qkvg.tile(SharedCarve(base, self.area), tidx, q % rows, q // rows, 0, m_x, m_w_qkvg, qkvg_ops[0],
+                           None, None, None, None, *qkvg_ops[2:], own_exit=False)
+        else:
+            self.fb_program(base, tidx, ticket - fab_ctas - qkvg_tiles, m_tokens, m_chain, m_fa, m_w_fb, fb_ops)
+        self.count_out(m_chain, tidx)

@@ -10,7 +10,8 @@ A provider answers :meth:`GemmProvider.why_not` per call (``None`` = supported) 
 reason, and :meth:`GemmProvider.run` writes into a caller-provided output (no allocation inside CUDA graphs).
 The projection binds one :meth:`GemmProvider.launcher` per role and M, so per-call work is only the launch. A
 provider may also run the overlapped side chain on QKVG's own stream (:meth:`GemmProvider.trailing_launcher`),
-where the host does not allow a fork.
+where the host does not allow a fork, and an eager call's whole stage as one launch
+(:meth:`GemmProvider.stage_launcher`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ ROLES = ("qkvg", "fab", "fb")
 Launcher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 # ``(x [M, K], w_fab [fab_rows, K], fab [M, fab_rows], w_fb [hD, D], g1 [M, hD])``: the side chain trailing QKVG.
 TrailingLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# ``(x, w_qkvg [4hD, K], qkvg [M, 4hD], w_fab, fab, w_fb, g1)``: the whole stage as one launch (eager calls).
+StageLauncher = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,13 @@ class GemmProvider(abc.ABC):
         never inside a capture): ``fab = x @ W_fab.T``, then ``g1 = fab[:, :D] @ W_fb.T``, bit for bit what the
         launchers of those calls compute (the forked side chain), without a second stream."""
         raise NotImplementedError(f"provider {self.name!r} has no trailing side chain")
+
+    def stage_launcher(self, calls: dict[str, GemmCall]) -> StageLauncher | None:
+        """The whole stage for ``calls`` as one launch on the current stream, for eager calls (no capture), where
+        the host's launch cost exceeds the stage's GPU time: ``qkvg = x @ W_qkvg.T`` beside the side chain, bit for
+        bit what this provider's launchers compute. Resolved once, outside any capture; ``None`` where this
+        provider has none for ``calls`` (the stage then launches QKVG and its trailing side chain)."""
+        return None
 
     def __repr__(self) -> str:
         return f"<GemmProvider {self.name} priority={self.priority}>"

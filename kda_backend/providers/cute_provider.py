@@ -25,13 +25,29 @@ import torch
 
 from kda_backend.accuracy import output_error
 from kda_backend.kernels.arrival_counters import arrival_counters
-from kda_backend.kernels.compile_cache import SideChainKey, compiled_gemms, kernel_key
-from kda_backend.kernels.side_chain_gemm import why_not_one_launch
-from kda_backend.kernels.skinny_gemm import ELEMS_PER_COPY, NO_LINK, Link, Tactic, output_tiles, validate_link
+from kda_backend.kernels.compile_cache import SideChainKey, StageKey, compiled_gemms, kernel_key
+from kda_backend.kernels.side_chain_gemm import why_not_one_launch, why_not_one_launch_stage
+from kda_backend.kernels.skinny_gemm import (
+    ELEMS_PER_COPY,
+    MMA_SHAPE,
+    NO_LINK,
+    Link,
+    Tactic,
+    output_tiles,
+    validate_link,
+    validate_tactic,
+)
 from kda_backend.kernels.tactics import AnyTactic, default_for, for_m, max_m, validate_any, why_not_for
 from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.log import warn_once
-from kda_backend.providers.base import GemmCall, GemmProvider, Launcher, TrailingLauncher, cuda_bf16_reason
+from kda_backend.providers.base import (
+    GemmCall,
+    GemmProvider,
+    Launcher,
+    StageLauncher,
+    TrailingLauncher,
+    cuda_bf16_reason,
+)
 
 SUPPORTED_MAJORS = (9, 10)
 SIGNALS = Link(signals=True, x_ready=True)  # F_A/beta trailing QKVG on its stream
@@ -50,6 +66,7 @@ class CuteDslProvider(GemmProvider):
         # (launches on one stream run in order), not one per layer and M.
         self._launchers: dict[tuple[GemmCall, torch.device], Launcher] = {}
         self._trailing: dict[tuple[GemmCall, GemmCall, torch.device], TrailingLauncher] = {}
+        self._stages: dict[tuple[GemmCall, GemmCall, GemmCall, torch.device], StageLauncher | None] = {}
 
     def kernel_folder(self) -> Path | None:
         """Where compiled kernels are kept on disk, or ``None`` (memory only)."""
@@ -155,14 +172,7 @@ class CuteDslProvider(GemmProvider):
         if reason is not None:
             raise ValueError(f"trailing side chain: {reason}")
         device = _current_device()
-        arrival_counters.reserve(device)
-
-        def operands(stream: torch.cuda.Stream) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-            split = fab_tactic.split_k > 1
-            work, arrivals = _workspace_operands(fab_tactic, fab_call.m, fab_call.n, stream) if split else (None, None)
-            return work, arrivals, arrival_counters.chain_for_stream(stream)
-
-        per_stream = PerStream(operands, device)
+        per_stream = _side_chain_operands(fab_tactic, fab_call, device)
         # One launch where the tactics allow and its first-use check can run (not inside a capture: a launcher first
         # built there takes the two-launch form, the same bits).
         one_launch = why_not_one_launch(fab_tactic, fb_tactic) is None and fb_call.x_row_stride == fab_call.n
@@ -201,9 +211,88 @@ class CuteDslProvider(GemmProvider):
 
         return run
 
+    def stage_tactic(self, calls: dict[str, GemmCall]) -> Tactic | None:
+        """QKVG's tactic in the one-launch stage: the plan's ``mma.sync`` tactic with activations by ``cp.async``,
+        in 16-row CTAs where it runs another thread count than the side chain. Each output's K order stays the
+        plan's, so its bits do too (the first-use check compares them). ``None`` where QKVG runs the ``wgmma`` kernel
+        or splits K, whose sums run in another order."""
+        qkvg = self.tactic(calls["qkvg"])
+        if not isinstance(qkvg, Tactic) or qkvg.split_k > 1:
+            return None
+        fab, _ = self.trailing_tactics(calls)
+        block_n = qkvg.block_n if qkvg.threads == fab.threads else MMA_SHAPE[0]
+        return dataclasses.replace(qkvg, block_n=block_n, x_tma=False, x_bulk=False)
+
+    def why_not_stage(self, calls: dict[str, GemmCall]) -> str | None:
+        """``None`` if :meth:`stage_launcher` serves ``calls``, else why not."""
+        reason = self.why_not_trailing(calls)
+        if reason is not None:
+            return reason
+        qkvg = self.stage_tactic(calls)
+        if qkvg is None:
+            return "QKVG runs the wgmma kernel or splits K"
+        if calls["fb"].x_row_stride != calls["fab"].n:
+            return "F_B reads F_A from another buffer than F_A/beta's output"
+        q = calls["qkvg"]
+        return why_not_one_launch_stage(qkvg, *self.trailing_tactics(calls)) or validate_tactic(
+            qkvg, q.n, q.k, q.x_row_stride)
+
+    def stage_launcher(self, calls: dict[str, GemmCall]) -> StageLauncher | None:
+        """See :meth:`GemmProvider.stage_launcher`: :class:`~kda_backend.kernels.side_chain_gemm.StageGemm`, checked
+        on its first use against this provider's launchers (:func:`stage_error`); one that differs gives a warning
+        and ``None``."""
+        if torch.cuda.is_current_stream_capturing() or self.why_not_stage(calls) is not None:
+            return None
+        key = (calls["qkvg"], calls["fab"], calls["fb"], _current_device())
+        if key not in self._stages:
+            self._stages[key] = self._new_stage_launcher(calls)
+        return self._stages[key]
+
+    def _new_stage_launcher(self, calls: dict[str, GemmCall]) -> StageLauncher | None:
+        q, fab_call, fb_call = calls["qkvg"], calls["fab"], calls["fb"]
+        qkvg_tactic = self.stage_tactic(calls)
+        fab_tactic, fb_tactic = self.trailing_tactics(calls)
+        device = _current_device()
+        per_stream = _side_chain_operands(fab_tactic, fab_call, device)
+        fab_key = kernel_key(fab_tactic, fab_call.n, fab_call.k, fab_call.x_row_stride, fab_call.w_row_stride, device)
+        key = StageKey(SideChainKey(fab_key, fb_tactic, fb_call.n, fb_call.k, fb_call.w_row_stride), qkvg_tactic,
+                       q.n, q.w_row_stride)
+        try:
+            kernel = compiled_gemms.get(key, self.kernel_folder())
+        except Exception as exc:  # the stage's own kernel only: its separate launches still serve
+            warn_once(f"stage-{key}", f"projection stage at M={q.m} in one launch did not compile on {device} "
+                      f"({type(exc).__name__}: {exc}); eager calls launch QKVG and its side chain")
+            return None
+
+        def run_stage(x: torch.Tensor, w_qkvg: torch.Tensor, qkvg: torch.Tensor, w_fab: torch.Tensor,
+                      fab: torch.Tensor, w_fb: torch.Tensor, g1: torch.Tensor) -> None:
+            kernel(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1, *per_stream.current())
+
+        separate = {role: self.launcher(call) for role, call in calls.items()}
+        reason = stage_error(run_stage, separate, calls, device)
+        if reason is None:
+            return run_stage
+        warn_once(f"stage-{key}", f"projection stage at M={q.m} in one launch ({qkvg_tactic.key()} beside "
+                  f"{fab_tactic.key()} and {fb_tactic.key()}) differs from its separate launches on {device} "
+                  f"({reason}); eager calls launch QKVG and its side chain")
+        return None
+
     def _kernel(self, tactic: AnyTactic, call: GemmCall, device: torch.device, link: Link = NO_LINK) -> Any:
         key = kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device, link)
         return compiled_gemms.get(key, self.kernel_folder())
+
+
+def _side_chain_operands(fab_tactic: Tactic, fab_call: GemmCall, device: torch.device) -> PerStream:
+    """Each stream's ``(work, arrivals, chain)`` for a side chain on it: F_A/beta's split-K workspace and arrival
+    counters (``None`` unsplit) and the stream's chain counters."""
+    arrival_counters.reserve(device)
+
+    def operands(stream: torch.cuda.Stream) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        split = fab_tactic.split_k > 1
+        work, arrivals = _workspace_operands(fab_tactic, fab_call.m, fab_call.n, stream) if split else (None, None)
+        return work, arrivals, arrival_counters.chain_for_stream(stream)
+
+    return PerStream(operands, device)
 
 
 class PerStream:
@@ -239,12 +328,7 @@ def one_launch_error(run: TrailingLauncher, fab_call: GemmCall, fb_call: GemmCal
     m, n, k, d = fab_call.m, fab_call.n, fab_call.k, fb_call.k
     stream = torch.cuda.current_stream(device)
     try:
-        # A generator of its own: the host's random state (an engine's sampling) stays as it was.
-        gen = torch.Generator(device=device).manual_seed(0)
-
-        def randn(rows: int, cols: int, scale: float) -> torch.Tensor:
-            return (torch.randn(rows, cols, generator=gen, device=device) * scale).bfloat16()
-
+        randn = _random_rows(device)
         x = randn(m, fab_call.x_row_stride, 1.0)[:, :k]
         w_fab = randn(n, fab_call.w_row_stride, k**-0.5)[:, :k]
         w_fb = randn(fb_call.n, fb_call.w_row_stride, d**-0.5)[:, :d]
@@ -265,9 +349,64 @@ def one_launch_error(run: TrailingLauncher, fab_call: GemmCall, fb_call: GemmCal
     except Exception as exc:  # a launch the device refuses
         reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:
-        arrival_counters.chain_for_stream(stream).zero_()
-        arrival_counters.for_stream(stream, 1).zero_()
+        _zero_counters(stream)
     return reason
+
+
+def stage_error(
+    run: StageLauncher, separate: dict[str, Launcher], calls: dict[str, GemmCall], device: torch.device
+) -> str | None:
+    """Why the one-launch stage ``run`` must not serve on ``device``, or ``None``: on random operands of the calls'
+    shapes, its three outputs (poisoned with NaN, two runs) against those of the ``separate`` launchers of the
+    same calls, bit for bit (what a graph of the stage computes), and the stream's counters zero after them.
+    Checked once per launcher, outside any capture, before it serves. A failing check leaves the stream's counters
+    zeroed."""
+    q, fab_call, fb_call = calls["qkvg"], calls["fab"], calls["fb"]
+    m, d = q.m, fb_call.k
+    stream = torch.cuda.current_stream(device)
+    try:
+        randn = _random_rows(device)
+        x = randn(m, q.x_row_stride, 1.0)[:, : q.k]
+        w_qkvg = randn(q.n, q.w_row_stride, q.k**-0.5)[:, : q.k]
+        w_fab = randn(fab_call.n, fab_call.w_row_stride, q.k**-0.5)[:, : q.k]
+        w_fb = randn(fb_call.n, fb_call.w_row_stride, d**-0.5)[:, :d]
+        expected = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for n in (q.n, fab_call.n, fb_call.n)]
+        separate["qkvg"](x, w_qkvg, expected[0])
+        separate["fab"](x, w_fab, expected[1])
+        separate["fb"](expected[1].narrow(1, 0, d), w_fb, expected[2])
+        runs = []
+        for _ in range(2):
+            outs = [torch.full_like(e, float("nan")) for e in expected]
+            run(x, w_qkvg, outs[0], w_fab, outs[1], w_fb, outs[2])
+            runs.append(outs)
+        stream.synchronize()
+        reason = next((f"{role} differs from its separate launch" for outs in runs
+                       for role, out, e in zip(("qkvg", "fab", "fb"), outs, expected) if not torch.equal(out, e)),
+                      None)
+        if reason is None and arrival_counters.chain_for_stream(stream).any():
+            reason = "its chain counters were not left at zero"
+    except Exception as exc:  # a launch the device refuses
+        reason = f"{type(exc).__name__}: {exc}"
+    if reason is not None:
+        _zero_counters(stream)
+    return reason
+
+
+def _random_rows(device: torch.device) -> Callable[[int, int, float], torch.Tensor]:
+    """``randn(rows, cols, scale)``: bf16 normal rows drawn from a generator of its own, so the host's random
+    state (an engine's sampling) stays as it was."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(rows: int, cols: int, scale: float) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=gen, device=device) * scale).bfloat16()
+
+    return randn
+
+
+def _zero_counters(stream: torch.cuda.Stream) -> None:
+    """The stream's chain and split-K arrival counters back to zero after a launch that may have left them set."""
+    arrival_counters.chain_for_stream(stream).zero_()
+    arrival_counters.for_stream(stream, 1).zero_()
 
 
 def _current_device() -> torch.device:
