@@ -311,8 +311,8 @@ def _compile_and_dump(key: KernelKey, dump_dir, keep: str = "ptx") -> str:
     return ptx[0].read_text()
 
 
-@pytest.mark.parametrize("tactic", [WgmmaTactic(64, 64, 32, 12), WgmmaTactic(64, 64, 64, 6, split_k=2),
-                                    WgmmaTactic(64, 64, 128, 9, stream_k=132)], ids=lambda t: t.key())
+@pytest.mark.parametrize("tactic", [WgmmaTactic(64, 64, 32, 12), WgmmaTactic(64, 64, 64, 6, split_k=2)],
+                         ids=lambda t: t.key())
 def test_wgmma_kernel_releases_the_next_launch_only_after_its_wait_for_x(tactic, tmp_path):
     """A CTA's first ``griddepcontrol.launch_dependents`` is the one that counts (PTX ISA), and a side chain
     launched behind QKVG with ``x_ready`` loads x without waiting: the wgmma kernel releases the next launch once,
@@ -764,7 +764,7 @@ def test_wgmma_tactic_round_trips_and_runs_each_m_with_its_token_tile():
     an untuned QKVG call above 32 tokens gets the wgmma default on Hopper only."""
     tuned = WgmmaTactic(128, 64, 128, 7, pdl=False)
     plan = Plan(tactics={("qkvg", 6144, 7168, 128): tuned,
-                         ("qkvg", 6144, 7168, 256): WgmmaTactic(64, 64, 256, 5, stream_k=132)})
+                         ("qkvg", 6144, 7168, 256): WgmmaTactic(64, 64, 256, 5, split_k=2)})
     again = Plan.from_document(json.loads(json.dumps(plan.to_document())))
     assert again.tactics == plan.tactics
     provider = CuteDslProvider()
@@ -780,7 +780,7 @@ def test_wgmma_tactic_round_trips_and_runs_each_m_with_its_token_tile():
 
 def test_no_trailing_side_chain_where_qkvg_and_fab_both_count_tiles_in():
     """A trailing F_A/beta starts beside QKVG and counts its split-K tiles in on the stream's arrival counters: where
-    QKVG counts tiles in too (the wgmma default splits K for TP16's 3072 rows at 40 tokens; a tuned stream-K QKVG)
+    QKVG counts tiles in too (the wgmma default splits K for TP16's 3072 rows at 40 tokens; a tuned split-K QKVG)
     the side chain does not trail."""
     provider = CuteDslProvider()
     for tp, refused in ((16, True), (8, False)):
@@ -790,5 +790,5 @@ def test_no_trailing_side_chain_where_qkvg_and_fab_both_count_tiles_in():
         reason = provider.why_not_trailing(calls)
         assert (reason is not None and "both count tiles in" in reason) if refused else reason is None
     calls = {role: _call(role=role, m=40, n=n, k=k, x_row_stride=xs) for role, (n, k, xs) in _roles(8).items()}
-    calls["qkvg"] = dataclasses.replace(calls["qkvg"], tuned=WgmmaTactic(64, 64, 48, 12, stream_k=132))
+    calls["qkvg"] = dataclasses.replace(calls["qkvg"], tuned=WgmmaTactic(64, 64, 48, 8, split_k=2))
     assert "both count tiles in" in provider.why_not_trailing(calls)

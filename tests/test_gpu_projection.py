@@ -130,16 +130,6 @@ def test_graph_replay_equals_eager_bitwise_with_wgmma_qkvg(m, step):
     _check_replay_equals_eager(m, True, step, WGMMA_TP8)
 
 
-@pytest.mark.parametrize("m", [40, 100, 256], ids=lambda m: f"M{m}")
-def test_graph_replay_equals_eager_bitwise_with_stream_k_qkvg(m):
-    """Stream-K QKVG over every SM (runs of K-tiles across tiles, partial tiles summed in CTA order by the last CTA
-    to arrive) beside cuBLAS's side chain, from the 64-, 128- and 256-token buckets."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    stages = {64: 12, 128: 9, 256: 5}  # the deepest one-CTA rings
-    tactics = {("qkvg", 6144, 7168, b): WgmmaTactic(64, 64, b, stages[b], stream_k=sms) for b in stages}
-    _check_replay_equals_eager(m, True, CUTE_QKVG_TORCH_SIDE_CHAIN, tactics)
-
-
 @pytest.mark.parametrize("tp", [4, 8], ids=lambda t: f"tp{t}")
 def test_wgmma_qkvg_matches_reference_up_to_256_tokens(tp):
     """Above 64 tokens the wgmma kernel serves tactics a plan tuned (here its defaults, as tuned)."""

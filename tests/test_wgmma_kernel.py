@@ -1,5 +1,5 @@
 """The Hopper wgmma skinny GEMM: tactics, compilation for sm_90a on the CPU, and on the GPU against an fp32 reference
-for M from 17 to 256 tokens (token tiles smaller than M, split-K, stream-K, partial row blocks, CUDA-graph replay)."""
+for M from 17 to 256 tokens (token tiles smaller than M, split-K, partial row blocks, CUDA-graph replay)."""
 
 import pytest
 import torch
@@ -14,7 +14,6 @@ from kda_backend.kernels.wgmma_gemm import (
     WgmmaGemm,
     WgmmaTactic,
     default_wgmma_tactic,
-    max_stages,
     validate_wgmma_tactic,
     wgmma_block_t_for,
     wgmma_candidate_tactics,
@@ -29,46 +28,18 @@ M_VALUES = [17, 24, 32, 40, 64, 100, 128, 200, 256]
 def test_key_names_every_field():
     assert WgmmaTactic(128, 64, 32, 6, split_k=2).key() == "w128k64t32s6x2p"
     assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
-    assert WgmmaTactic(64, 64, 128, 9, stream_k=132).key() == "w64k64t128s9c132p"
     tactic = WgmmaTactic()
     assert tactic.with_activations_from_l2() is tactic and tactic.family == "wgmma"
 
 
 def test_workspace_and_ctas_by_schedule():
-    """Split-K: a workspace [split_k, M, N] and one CTA per tile and split; stream-K: two tile slots per CTA and the
-    CTA count it names, whatever M; neither: no workspace."""
-    split, streamed, plain = WgmmaTactic(64, 64, 128, 4, split_k=2), WgmmaTactic(64, 64, 128, 9, stream_k=132), \
-        WgmmaTactic(64, 64, 128, 9)
+    """Split-K: a workspace [split_k, M, N], one CTA per tile and split, one arrival counter per tile; unsplit: no
+    workspace."""
+    split, plain = WgmmaTactic(64, 64, 128, 4, split_k=2), WgmmaTactic(64, 64, 128, 9)
     assert split.uses_workspace and split.workspace_shape(100, QKVG_TP8) == (2, 100, QKVG_TP8)
     assert split.ctas(QKVG_TP8, 100) == 96 * 2
-    assert streamed.uses_workspace and streamed.workspace_shape(100, QKVG_TP8) == (264, 128, 64)
-    assert streamed.ctas(QKVG_TP8, 100) == streamed.ctas(QKVG_TP8, 256) == streamed.counters(QKVG_TP8, 1000) == 132
     assert split.counters(QKVG_TP8, 100) == 96
     assert not plain.uses_workspace and plain.ctas(QKVG_TP8, 100) == 96
-
-
-@pytest.mark.parametrize("n,m,block_n", [(QKVG_TP8, 128, 64), (QKVG_TP8, 256, 128), (FAB, 24, 64), (136, 300, 64)])
-def test_stream_k_runs_cover_every_unit_once_with_at_most_two_partial_tiles(n, m, block_n):
-    """The kernel's own run arithmetic (:meth:`WgmmaGemm._run_start`, ``_owner``) on integers: the runs of the
-    CTAs cut the K-tile units of every tile in order, each CTA's run is at least one unit, ``_owner`` inverts
-    ``_run_start``, only a run's first and last tiles can be partial, so two slots per CTA hold every partial, and
-    the tiles several CTAs share have different first owners, whose counters they count on."""
-    tactic = WgmmaTactic(block_n, 64, wgmma_block_t_for(m), 4, stream_k=132)
-    gemm = WgmmaGemm(tactic, n, K, K, K)
-    k_tiles = K // 64
-    units = -(-n // block_n) * -(-m // tactic.block_t) * k_tiles
-    starts = [gemm._run_start(c, units) for c in range(133)]
-    assert starts[0] == 0 and starts[-1] == units and all(b > a for a, b in zip(starts, starts[1:]))
-    for c in range(132):
-        assert gemm._owner(starts[c], units) == gemm._owner(starts[c + 1] - 1, units) == c
-        tiles = range(starts[c] // k_tiles, (starts[c + 1] - 1) // k_tiles + 1)
-        partial = [t for t in tiles if max(starts[c], t * k_tiles) > t * k_tiles
-                   or min(starts[c + 1], (t + 1) * k_tiles) < (t + 1) * k_tiles]
-        assert set(partial) <= {tiles[0], tiles[-1]}
-    shared = [t for t in range(units // k_tiles)
-              if gemm._owner(t * k_tiles, units) != gemm._owner(t * k_tiles + k_tiles - 1, units)]
-    first_owners = [gemm._owner(t * k_tiles, units) for t in shared]
-    assert len(set(first_owners)) == len(first_owners) and all(c < 132 for c in first_owners)
 
 
 def test_threads_and_shared_memory():
@@ -89,10 +60,6 @@ def test_threads_and_shared_memory():
         (WgmmaTactic(block_n=256, block_t=192, stages=2), QKVG_TP8, K, K, "192 accumulator registers"),
         (WgmmaTactic(stages=1), QKVG_TP8, K, K, "stages=1"),
         (WgmmaTactic(split_k=3), QKVG_TP8, K, K, "split_k=3 must divide the 112 K-tiles"),
-        (WgmmaTactic(split_k=2, stream_k=132), QKVG_TP8, K, K, "stream_k=132 must be 0 or a CTA count, with split_k=1"),
-        (WgmmaTactic(64, 128, 32, 4, stream_k=200), FAB, K, K, "stream_k=200 CTAs > the 168 K-tiles"),
-        (WgmmaTactic(256, 64, 64, 4, stream_k=132), QKVG_TP8, K, K, "stream-K takes 64- or 128-row tiles"),
-        (WgmmaTactic(64, 64, 32, 4, stream_k=300), QKVG_TP8, K, K, f"at most {SPLIT_K_COUNTERS} CTAs"),
         (WgmmaTactic(128, 64, 256, 6), QKVG_TP8, K, K, "shared memory"),
         (WgmmaTactic(), QKVG_TP8, K, 7172, "x row stride 7172"),
     ],
@@ -157,9 +124,6 @@ COMPILE_CASES = [
     (WgmmaTactic(128, 64, 64, 6), QKVG_TP4),
     (WgmmaTactic(64, 64, 32, 6, split_k=14), FAB),
     (WgmmaTactic(64, 64, 24, 6, split_k=7), 136),
-    (WgmmaTactic(64, 64, 128, 9, stream_k=132), QKVG_TP8),
-    (WgmmaTactic(128, 64, 256, 4, stream_k=132), QKVG_TP8),
-    (WgmmaTactic(64, 64, 72, 8, stream_k=114, pdl=False), 136),
 ]
 
 
@@ -179,15 +143,7 @@ def _gpu_tactics(m):
     tactics.append(WgmmaTactic(64, 64, 16, 8))
     if m > 64:
         tactics.append(WgmmaTactic(128, 64, 48, 6))
-    tactics += [stream_k(64, m), stream_k(128, m)]
     return tactics
-
-
-def stream_k(block_n, m):
-    """Stream-K over this GPU's SMs with the deepest one-CTA ring (at most 12 K-tiles)."""
-    block_t = wgmma_block_t_for(m)
-    stages = min(12, max_stages(block_n, 64, block_t, 1))
-    return WgmmaTactic(block_n, 64, block_t, stages, stream_k=torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 def _check(tactic, m, n, seed=0):
@@ -219,9 +175,6 @@ def test_qkvg_matches_reference(m):
         (WgmmaTactic(64, 64, 128, 6, split_k=7), 136),
         (WgmmaTactic(256, 64, 64, 4), FAB),
         (WgmmaTactic(128, 64, 64, 6), QKVG_TP4),
-        (WgmmaTactic(64, 64, 64, 8, stream_k=132), FAB),
-        (WgmmaTactic(128, 64, 64, 6, stream_k=132), 136),
-        (WgmmaTactic(64, 64, 64, 8, stream_k=100), QKVG_TP4),
     ],
     ids=lambda c: c.key() if isinstance(c, WgmmaTactic) else f"N{c}",
 )
@@ -234,8 +187,8 @@ def test_split_k_and_partial_row_blocks_match_reference(tactic, n, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
-                                    WgmmaTactic(64, 64, 128, 9, stream_k=132)], ids=lambda t: t.key())
+@pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2)],
+                         ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""
     from kda_backend.providers.cute_provider import launch
@@ -275,10 +228,10 @@ def test_entry_point_refuses_missing_and_stray_operands_at_compile(monkeypatch):
     chain = make_fake_tensor(cutlass.Int32, (2,), (1,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi --gpu-arch sm_90a"
-    for tactic in (WgmmaTactic(64, 64, 32, 6, split_k=2), WgmmaTactic(64, 64, 32, 6, stream_k=132)):
-        with pytest.raises(ValueError, match=f"m_work, m_arrivals required by tactic {tactic.key()}"):
-            cute.compile(WgmmaGemm(tactic, QKVG_TP8, K, K, K), x, w, out, None, None, None, None, stream,
-                         options=options)
+    tactic = WgmmaTactic(64, 64, 32, 6, split_k=2)
+    with pytest.raises(ValueError, match=f"m_work, m_arrivals required by tactic {tactic.key()}"):
+        cute.compile(WgmmaGemm(tactic, QKVG_TP8, K, K, K), x, w, out, None, None, None, None, stream,
+                     options=options)
     plain = WgmmaGemm(WgmmaTactic(64, 64, 32, 6), QKVG_TP8, K, K, K)
     with pytest.raises(ValueError, match="m_chain not used by tactic w64k64t32s6p: pass None"):
         cute.compile(plain, x, w, out, None, None, chain, None, stream, options=options)

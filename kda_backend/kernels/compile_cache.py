@@ -154,8 +154,8 @@ def compile_gemm(key: KernelKey) -> Any:
     tactic, link = key.tactic, key.link
     work = arrivals = chain = expected = None
     if tactic.uses_workspace:
-        shape = tactic.workspace_shape(m, key.n)  # [split_k, M, N], or stream-K's static slots
-        stride = (cute.sym_int64() if tactic.split_k > 1 else shape[1] * shape[2], shape[2], 1)
+        shape = tactic.workspace_shape(m, key.n)  # [split_k, M, N]
+        stride = (cute.sym_int64(), shape[2], 1)
         work = make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
         arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)
     if link.signals or link.waits:

@@ -20,9 +20,6 @@ both operands from shared memory by descriptor, and one instruction covers 64 we
   (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, with the protocol of
   :class:`~kda_backend.kernels.skinny_gemm.Tactic`'s split-K (fp32 workspace, per-tile arrival counters that the
   last CTA resets).
-- Stream-K (:attr:`WgmmaTactic.stream_k`): one persistent CTA per SM walks its equal share of all tiles' K-tiles
-  in a row, the producer streaming across tile boundaries; so every SM takes in the same bytes whatever the tile
-  count, and taller tiles read the activations fewer times. Partial tiles meet in the workspace, summed in CTA order.
 - Programmatic dependent launch: the producer issues the weight tiles of the prologue before
   ``griddepcontrol.wait``, so they stream while the previous kernel (which produced x) drains; only activation
   loads wait for it.
@@ -77,9 +74,6 @@ MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
 REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per thread
-# Running sums stream-K's reduction holds beside the accumulator (whole tiles keep it live): with more, two consumer
-# warpgroups of 128 accumulators each spill, at most 168 registers per thread with 288 threads (ptxas, sm_90a).
-STREAM_K_REDUCE_REGISTERS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +91,6 @@ class WgmmaTactic:
         Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
         counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
-    :param stream_k: ``0``, or the number of persistent CTAs (the SM count) sharing every output tile's K-tiles
-        evenly, stream-K: the K-tiles of all tiles in a row, ``[tile, k]``, are cut into ``stream_k`` equal runs,
-        one per CTA, so every SM streams the same bytes with tiles of any height. A run covers whole tiles (stored
-        directly) and at most two partial ones, whose fp32 partials go to the CTA's two workspace slots
-        ``[2 * stream_k, block_t, block_n]``; the last of a tile's CTAs to count itself in sums them in CTA order
-        (deterministic whichever arrives last), stores the tile and resets its counter (that of the tile's first
-        CTA: ``stream_k`` counters serve any number of tiles). With ``split_k == 1`` and 64- or 128-row tiles.
-        Served where a plan names it and timed by the benchmark tools; not among the autotuner's candidates, since
-        it has been compiled and checked on the CPU only, not yet run on a GPU.
     """
 
     family: ClassVar[str] = "wgmma"
@@ -116,7 +101,6 @@ class WgmmaTactic:
     stages: int = 6
     split_k: int = 1
     pdl: bool = True
-    stream_k: int = 0
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -149,30 +133,24 @@ class WgmmaTactic:
 
     @property
     def uses_workspace(self) -> bool:
-        """Whether a launch takes an fp32 workspace and arrival counters (split-K or stream-K)."""
-        return self.split_k > 1 or self.stream_k > 0
+        """Whether a launch takes an fp32 workspace and arrival counters (split-K)."""
+        return self.split_k > 1
 
     def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
-        """The fp32 workspace of a launch over ``m`` tokens and ``n`` rows: ``[split_k, M, N]`` with split-K,
-        ``[2 * stream_k, block_t, block_n]`` (two tile slots per CTA) with stream-K."""
-        if self.stream_k:
-            return 2 * self.stream_k, self.block_t, self.block_n
+        """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
         return self.split_k, m, n
 
     def ctas(self, n: int, m: int) -> int:
         """CTAs of one launch over ``n`` rows and ``m`` tokens."""
-        return self.stream_k or output_tiles(self, n, m) * self.split_k
+        return output_tiles(self, n, m) * self.split_k
 
     def counters(self, n: int, m: int) -> int:
-        """Arrival counters of one launch over ``n`` rows and ``m`` tokens: one per output tile with split-K, one
-        per CTA with stream-K."""
-        return self.stream_k or output_tiles(self, n, m)
+        """Arrival counters of one split-K launch over ``n`` rows and ``m`` tokens: one per output tile."""
+        return output_tiles(self, n, m)
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
-        streamed = f"c{self.stream_k}" if self.stream_k else ""
-        return (f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{streamed}"
-                f"{'p' if self.pdl else ''}")
+        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{'p' if self.pdl else ''}"
 
 
 def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int) -> str | None:
@@ -193,14 +171,6 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         return f"stages={t.stages} must be from 2 to {MAX_STAGES}"
     if t.split_k < 1 or (k // t.block_k) % t.split_k:
         return f"split_k={t.split_k} must divide the {k // t.block_k} K-tiles"
-    if t.stream_k < 0 or (t.stream_k and t.split_k > 1):
-        return f"stream_k={t.stream_k} must be 0 or a CTA count, with split_k=1 (got {t.split_k})"
-    if t.stream_k and (t.block_n > 128 or t.stream_k > SPLIT_K_COUNTERS):
-        return (f"stream_k={t.stream_k} with block_n={t.block_n}: stream-K takes 64- or 128-row tiles and at most "
-                f"{SPLIT_K_COUNTERS} CTAs (one arrival counter each)")
-    if t.stream_k > row_blocks(n, t.block_n) * (k // t.block_k):
-        return (f"stream_k={t.stream_k} CTAs > the {row_blocks(n, t.block_n) * (k // t.block_k)} K-tiles of one "
-                "token tile: some would have no work")
     if t.smem_bytes() > MAX_SMEM_BYTES:
         return f"needs {t.smem_bytes()} B of shared memory > {MAX_SMEM_BYTES}"
     if x_row_stride % ELEMS_PER_COPY:
@@ -312,8 +282,8 @@ class WgmmaGemm:
         expected: cutlass.Int32 | None,
         stream,
     ):
-        """``out = x @ w.T``: ``m_x`` (M, K), ``m_w`` (N, K), ``m_out`` (M, N) contiguous, all bf16. With split-K
-        or stream-K, ``m_work`` the fp32 workspace of :meth:`WgmmaTactic.workspace_shape`, contiguous, and
+        """``out = x @ w.T``: ``m_x`` (M, K), ``m_w`` (N, K), ``m_out`` (M, N) contiguous, all bf16. With split-K,
+        ``m_work`` the fp32 workspace of :meth:`WgmmaTactic.workspace_shape`, contiguous, and
         ``m_arrivals`` int32 arrival counters (one per output tile, :func:`wgmma_output_tiles`), zero on entry and
         left zero on exit; else both ``None``. ``m_chain`` and ``expected`` are always ``None`` (no side-chain
         role), kept for :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
@@ -335,14 +305,11 @@ class WgmmaGemm:
         x_tma, x_src = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_layout, (t.block_t, t.block_k)
         )
-        # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k);
-        # stream-K's slots stay (slot, token, row).
+        # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k).
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
-        if cutlass.const_expr(m_work is not None and t.split_k > 1):
+        if cutlass.const_expr(m_work is not None):
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
         grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
-        if cutlass.const_expr(t.stream_k):
-            grid = (t.stream_k, 1, 1)
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, tiled_mma
         ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
@@ -363,7 +330,7 @@ class WgmmaGemm:
     ):
         """``w_tma`` / ``w_src`` and ``x_tma`` / ``x_src``: the TMA atoms and their coordinate tensors over w (N, K)
         and x (M, K); ``m_out_t`` (N, M): out transposed; ``m_work`` (N, M, split_k): the split-K workspace, or
-        stream-K's slots (2 * stream_k, block_t, block_n), or ``None`` as ``m_arrivals``. Warps
+        ``None`` as ``m_arrivals``. Warps
         ``0 .. 4 * consumer_warpgroups - 1`` consume, the last one produces."""
         t = self.tactic
         tidx, _, _ = cute.arch.thread_idx()
@@ -391,12 +358,8 @@ class WgmmaGemm:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
-        if cutlass.const_expr(t.stream_k):
-            self._stream_k(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, m_out_t, m_work, m_arrivals, s_last,
-                           tiled_mma, warp, tidx, bidx)
-        else:
-            self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, ring, m_out_t, m_work, m_arrivals,
-                               s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
+        self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, ring, m_out_t, m_work, m_arrivals,
+                           s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
 
     @cute.jit
     def _tile_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, ring, m_out_t, m_work, m_arrivals,
@@ -431,7 +394,7 @@ class WgmmaGemm:
     def _tma_views(self, w_tma, w_src, x_tma, x_src, s_w, s_x, row_block, token_tile):
         """The TMA partitions ``(t_sw, t_gw, t_sx, t_gx)`` of the weight and activation tiles: the shared ring's
         (TMA, stages) and the global tiles' (TMA, K-tiles) of row block ``row_block`` and token tile
-        ``token_tile``, or (TMA, row blocks or token tiles, K-tiles) where one is ``None``."""
+        ``token_tile``."""
         t = self.tactic
         g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
         g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (token_tile, None))
@@ -442,177 +405,6 @@ class WgmmaGemm:
             x_tma, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
         )
         return t_sw, t_gw, t_sx, t_gx
-
-    @cute.jit
-    def _stream_k(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, m_out_t, m_work, m_arrivals, s_last,
-                  tiled_mma, warp, tidx, cta):
-        """Stream-K: this CTA's run ``[first, end)`` of the K-tile units ``tile * k_tiles + k`` of all output tiles
-        (row block fastest, then token tile), tile by tile."""
-        t = self.tactic
-        rows, k_tiles = row_blocks(self.n, t.block_n), self.k // t.block_k
-        units = rows * cute.ceil_div(m_out_t.shape[1], t.block_t) * k_tiles
-        first, end = self._run_start(cta, units), self._run_start(cta + 1, units)
-        # (TMA, row blocks, K-tiles) and (TMA, token tiles, K-tiles) global views; (TMA, stages) shared ones.
-        t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w, s_x, None, None)
-        if warp == t.consumer_threads // 32:
-            self._produce_run(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, first, end)
-        else:  # the consumers never release the next launch (see _tile_per_cta)
-            thr_mma = tiled_mma.get_slice(tidx)
-            t_rw = tiled_mma.make_fragment_A(thr_mma.partition_A(s_w))
-            t_rx = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))
-            tile_shape = (t.block_n, t.block_t)
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.local_tile(m_out_t, tile_shape, (0, 0))).shape,
-                                        cutlass.Float32)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-            for tile in cutlass.range(first // k_tiles, (end - 1) // k_tiles + 1, unroll=1):
-                begin = cutlass.max(first, tile * k_tiles)
-                stop = cutlass.min(end, tile * k_tiles + k_tiles)
-                acc.fill(0.0)
-                self._mma_tile(mainloop, tiled_mma, acc, t_rw, t_rx, read)
-                read.advance()
-                for _ in cutlass.range(begin + 1, stop, unroll=1):
-                    self._mma_tile(mainloop, tiled_mma, acc, t_rw, t_rx, read)
-                    read.advance()
-                    warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                # The run goes on with the next tile: every slot of this one is freed, the last one too.
-                warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-                self._finish_tile(acc, thr_mma, tile, begin, stop, first, units, cta, m_out_t, m_work, m_arrivals,
-                                  s_last, tidx)
-
-    @cute.jit
-    def _produce_run(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, first, end):
-        """The producer warp under stream-K: :meth:`_produce` over the units ``[first, end)``, whose tiles change
-        along the run."""
-        t = self.tactic
-        rows, k_tiles = row_blocks(self.n, t.block_n), self.k // t.block_k
-        cpasync.prefetch_descriptor(w_tma)
-        cpasync.prefetch_descriptor(x_tma)
-        w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
-        prologue = cutlass.min(end - first, t.stages)
-        for u in cutlass.range(first, first + prologue, unroll=1):
-            tile = u // k_tiles
-            mainloop.producer_acquire(state)  # the ring starts empty: no wait
-            cute.copy(w_tma, t_gw[None, tile % rows, u - tile * k_tiles], t_sw[None, state.index],
-                      tma_bar_ptr=mainloop.producer_get_barrier(state), cache_policy=w_policy)
-            state.advance()
-        if cutlass.const_expr(t.pdl):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()  # once x is complete, as in _produce
-        for u in cutlass.range(first, first + prologue, unroll=1):
-            tile = u // k_tiles
-            cute.copy(x_tma, t_gx[None, tile // rows, u - tile * k_tiles], t_sx[None, u - first],
-                      tma_bar_ptr=mainloop.sync_object_full.get_barrier(u - first), cache_policy=x_policy)
-        for u in cutlass.range(first + prologue, end, unroll=1):
-            tile = u // k_tiles
-            k = u - tile * k_tiles
-            mainloop.producer_acquire(state)
-            bar = mainloop.producer_get_barrier(state)
-            cute.copy(w_tma, t_gw[None, tile % rows, k], t_sw[None, state.index], tma_bar_ptr=bar,
-                      cache_policy=w_policy)
-            cute.copy(x_tma, t_gx[None, tile // rows, k], t_sx[None, state.index], tma_bar_ptr=bar,
-                      cache_policy=x_policy)
-            state.advance()
-
-    def _run_start(self, cta, units):
-        """The first of the ``units`` K-tile units in CTA ``cta``'s stream-K run (``stream_k``: where runs end)."""
-        return cta * units // self.tactic.stream_k
-
-    def _owner(self, unit, units):
-        """The CTA whose stream-K run holds ``unit``: the largest ``c`` with ``_run_start(c) <= unit``."""
-        return ((unit + 1) * self.tactic.stream_k - 1) // units
-
-    def _slot(self, m_work, slot, thr_mma):
-        """The consumer thread's part of workspace slot ``slot``, a (block_n, block_t) tile, rows fastest."""
-        t = self.tactic
-        tile = cute.make_tensor(m_work.iterator + slot * (t.block_n * t.block_t),
-                                cute.make_layout((t.block_n, t.block_t), stride=(1, t.block_n)))
-        return thr_mma.partition_C(tile)
-
-    @cute.jit
-    def _finish_tile(self, acc, thr_mma, tile, begin, stop, first, units, cta, m_out_t, m_work, m_arrivals, s_last,
-                     tidx):
-        """After the units ``[begin, stop)`` of ``tile``: store it if they are all of its K-tiles; else publish the
-        partial in this CTA's slot (its first, where the run starts in this tile, else its second) and count it in;
-        the tile's last CTA to arrive sums every CTA's partial in CTA order, stores the tile and resets its counter.
-        Only real tokens' and rows' values are written and read."""
-        t = self.tactic
-        rows, k_tiles = row_blocks(self.n, t.block_n), self.k // t.block_k
-        m_tokens = m_out_t.shape[1]
-        tile_shape = (t.block_n, t.block_t)
-        coord = (tile % rows, tile // rows)
-        t_go = thr_mma.partition_C(cute.local_tile(m_out_t, tile_shape, coord))
-        t_co = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(m_out_t.shape), tile_shape, coord))
-        if begin == tile * k_tiles and stop == tile * k_tiles + k_tiles:
-            self._store_fragment(acc, t_go, t_co, m_tokens)
-        else:
-            slot = cta * 2
-            if begin != first:
-                slot = slot + 1
-            own = self._slot(m_work, slot, thr_mma)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if self._in_bounds(t_co[i], m_tokens):
-                    own[i] = acc[i]
-            # A tile shared by several CTAs counts on the counter of its first owner: that CTA's run ends in it, and a
-            # run ends in one tile only, so the stream_k counters serve any number of tiles.
-            owner = self._owner(tile * k_tiles, units)
-            owners = self._owner(tile * k_tiles + k_tiles - 1, units) - owner + 1
-            # Release: every thread's partial is visible device-wide before thread 0 counts the CTA in.
-            cute.arch.fence_acq_rel_gpu()
-            self._consumers_sync()
-            if tidx == 0:
-                s_last[0] = cute.arch.atomic_add(m_arrivals.iterator + owner, cutlass.Int32(1), sem="acq_rel",
-                                                 scope="gpu")
-            self._consumers_sync()
-            if s_last[0] == owners - 1:
-                cute.arch.fence_acq_rel_gpu()
-                # In chunks that bound the registers held beside the accumulator: each chunk's sum over the CTAs
-                # in order (this CTA's part from its registers) replaces it in ``acc``.
-                chunk = min(STREAM_K_REDUCE_REGISTERS, cute.size(acc))
-                total = cute.make_rmem_tensor(cute.make_layout(chunk), cutlass.Float32)
-                for start in cutlass.range_constexpr(0, cute.size(acc), chunk):
-                    count = min(chunk, cute.size(acc) - start)
-                    total.fill(0.0)
-                    for c in cutlass.range(owner, owner + owners, unroll=1):
-                        if c == cta:
-                            for j in cutlass.range_constexpr(count):
-                                total[j] = total[j] + acc[start + j]
-                        else:
-                            # CTA c's run starts in this tile (its first slot) or before it (its second).
-                            other = c * 2
-                            if self._run_start(c, units) < tile * k_tiles:
-                                other = other + 1
-                            part = self._slot(m_work, other, thr_mma)
-                            for j in cutlass.range_constexpr(count):
-                                if self._in_bounds(t_co[start + j], m_tokens):
-                                    # L2 loads (.cg): this SM's L1 may hold a stale copy of a line another CTA
-                                    # wrote.
-                                    total[j] = total[j] + cute.arch.load(
-                                        part.iterator + cute.crd2idx(start + j, part.layout), cutlass.Float32,
-                                        cop="cg",
-                                    )
-                    for j in cutlass.range_constexpr(count):
-                        acc[start + j] = total[j]
-                self._store_fragment(acc, t_go, t_co, m_tokens)
-                if tidx == 0:
-                    # Stream order makes the reset visible to the next kernel that uses these counters.
-                    m_arrivals[owner] = 0
-
-    @cute.jit
-    def _store_fragment(self, acc, t_go, t_co, m_tokens):
-        """The accumulator fragment as bf16 straight from registers, real rows and tokens only (stream-K stores
-        while the ring is still streaming the next tile, so it cannot stage through shared memory)."""
-        values = cute.make_rmem_tensor(acc.shape, t_go.element_type)
-        values.store(acc.load().to(t_go.element_type))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            if self._in_bounds(t_co[i], m_tokens):
-                t_go[i] = values[i]
 
     @cute.jit
     def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, k_first, k_tiles: cutlass.Constexpr[int]):

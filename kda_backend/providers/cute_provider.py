@@ -7,7 +7,7 @@ of 8 (the last row block may be partial, e.g. SGLang's F_A/beta at TP16, 136 row
 A call's tactic is the one its plan tuned (:attr:`~kda_backend.providers.base.GemmCall.tuned`), else the default.
 
 Launches are lean: :meth:`CuteDslProvider.launcher` resolves a call's tactic and compiled kernel once (with split-K
-or stream-K also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and so is the
+also a workspace and arrival counters per stream), so a call is the TVM-FFI launch alone, and so is the
 side chain trailing QKVG (:meth:`CuteDslProvider.trailing_launcher`). Launches make no Python checks: the TVM-FFI
 function checks every tensor's dtype, device, static shape, strides and 16-byte alignment in C before it launches,
 and raises ``ValueError`` or ``TypeError``.
@@ -149,7 +149,7 @@ class CuteDslProvider(GemmProvider):
         fab, fb = self.trailing_tactics(calls)
         if self.tactic(calls["qkvg"]).uses_workspace and fab.split_k > 1:
             # F_A/beta starts beside QKVG without waiting for it (x_ready) and counts its tiles in on the stream's
-            # split-K arrival counters, which a split-K or stream-K QKVG is still using.
+            # split-K arrival counters, which a split-K QKVG is still using.
             return "qkvg and fab both count tiles in: they would share the stream's arrival counters at once"
         return validate_link(SIGNALS, fab) or validate_link(WAITS, fb)
 
@@ -442,7 +442,7 @@ def _calls(x: torch.Tensor, operands: dict[str, tuple[torch.Tensor, torch.Tensor
 def _workspace_operands(
     tactic: AnyTactic, m: int, n: int, stream: torch.cuda.Stream
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split-K or stream-K launch's fp32 workspace (:meth:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic.
+    """A split-K launch's fp32 workspace (:meth:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic.
     workspace_shape`) and ``stream``'s arrival counters."""
     workspace = torch.empty(tactic.workspace_shape(m, n), device=stream.device, dtype=torch.float32)
     return workspace, arrival_counters.for_stream(stream, tactic.counters(n, m))
