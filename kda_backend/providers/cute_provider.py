@@ -331,8 +331,8 @@ def one_launch_error(run: TrailingLauncher, fab_call: GemmCall, fb_call: GemmCal
     on every device, and a wrong one then costs a warning and a launch per call instead of wrong results. A
     failing check leaves the stream's counters zeroed for the two-launch form."""
     m, n, k, d = fab_call.m, fab_call.n, fab_call.k, fb_call.k
-    stream = torch.cuda.current_stream(device)
-    try:
+
+    def compare(stream: torch.cuda.Stream) -> str | None:
         randn = _random_rows(device)
         x = randn(m, fab_call.x_row_stride, 1.0)[:, :k]
         w_fab = randn(n, fab_call.w_row_stride, k**-0.5)[:, :k]
@@ -349,13 +349,9 @@ def one_launch_error(run: TrailingLauncher, fab_call: GemmCall, fb_call: GemmCal
                   or output_error(g1, fab[:, :d].float() @ w_fb.float().t()))
         if reason is None and not all(torch.equal(a, b) for a, b in zip(*runs)):
             reason = "two runs differ"
-        if reason is None and arrival_counters.chain_for_stream(stream).any():
-            reason = "its chain counters were not left at zero"
-    except Exception as exc:  # a launch the device refuses
-        reason = f"{type(exc).__name__}: {exc}"
-    if reason is not None:
-        _zero_counters(stream)
-    return reason
+        return reason
+
+    return _first_use_error(compare, device)
 
 
 def stage_error(
@@ -368,8 +364,8 @@ def stage_error(
     zeroed."""
     q, fab_call, fb_call = calls["qkvg"], calls["fab"], calls["fb"]
     m, d = q.m, fb_call.k
-    stream = torch.cuda.current_stream(device)
-    try:
+
+    def compare(stream: torch.cuda.Stream) -> str | None:
         randn = _random_rows(device)
         x = randn(m, q.x_row_stride, 1.0)[:, : q.k]
         w_qkvg = randn(q.n, q.w_row_stride, q.k**-0.5)[:, : q.k]
@@ -385,12 +381,22 @@ def stage_error(
             run(x, w_qkvg, outs[0], w_fab, outs[1], w_fb, outs[2])
             runs.append(outs)
         stream.synchronize()
-        reason = next((f"{role} differs from its separate launch" for outs in runs
-                       for role, out, e in zip(("qkvg", "fab", "fb"), outs, expected) if not torch.equal(out, e)),
-                      None)
+        return next((f"{role} differs from its separate launch" for outs in runs
+                     for role, out, e in zip(("qkvg", "fab", "fb"), outs, expected) if not torch.equal(out, e)), None)
+
+    return _first_use_error(compare, device)
+
+
+def _first_use_error(compare: Callable[[torch.cuda.Stream], str | None], device: torch.device) -> str | None:
+    """``compare(stream)``'s reason on the current stream (a raise is one too: a launch the device refuses), else
+    one if the stream's chain counters were not left at zero; a failing check leaves the stream's counters
+    zeroed."""
+    stream = torch.cuda.current_stream(device)
+    try:
+        reason = compare(stream)
         if reason is None and arrival_counters.chain_for_stream(stream).any():
             reason = "its chain counters were not left at zero"
-    except Exception as exc:  # a launch the device refuses
+    except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:
         _zero_counters(stream)
