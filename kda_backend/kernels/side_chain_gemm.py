@@ -1,9 +1,10 @@
-"""The side chain ``fab = x @ W_fab^T``, then ``g1 = fab[:, :D] @ W_fb^T``, as one launch trailing QKVG's.
+"""The side chain ``fab = x @ W_fab^T``, then ``g1 = fab[:, :D] @ W_fb^T``, as one launch trailing QKVG's
+(:class:`SideChainGemm`), and the whole stage, QKVG's tiles beside it, as one launch (:class:`StageGemm`).
 
 On one stream (where the host allows no fork: eager calls, piecewise graphs) the side chain trails QKVG's launch
 (:class:`~kda_backend.kernels.skinny_gemm.Link`). As two launches, F_A/beta then F_B, each costs the host a launch
-(about 6 us on an H200's host through TVM-FFI); here both are programs of one launch, so an eager projection call is
-two launches, QKVG and this.
+(about 6 us on an H200's host through TVM-FFI); here both are programs of one launch. An eager call at M <= 16
+launches the whole stage at once: its host time exceeds the stage's GPU time there.
 
 - Each CTA draws a ticket from a counter as it starts: the first ``fab_ctas`` tickets run F_A/beta tiles (the
   :class:`~kda_backend.kernels.skinny_gemm.SkinnyGemm` tile of its tactic, ``x_ready``: launched right behind
@@ -18,7 +19,8 @@ two launches, QKVG and this.
   resets all three), ``[2]`` tickets drawn.
 
 The provider checks each launch form on its first use on a device before it serves
-(:func:`~kda_backend.providers.cute_provider.one_launch_error`); one that fails runs as two launches.
+(:func:`~kda_backend.providers.cute_provider.one_launch_error`, :func:`~kda_backend.providers.cute_provider.
+stage_error`); a side chain that fails runs as two launches, a stage that fails as QKVG and its side chain.
 """
 
 from __future__ import annotations
