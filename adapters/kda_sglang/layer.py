@@ -5,8 +5,8 @@ Installed with ``HookRegistry`` REPLACE of ``sglang.srt.models.kimi_k3.KimiK3Del
 projection is built right after that merge, at load time on every rank together (its plan is broadcast over the
 tensor-parallel group), over zero-copy views of ``fused_qkvg_proj.weight`` (QKVG), the merged ``_bfa_w``
 ([f_a | b | pad to 8 rows], F_A/beta) and ``_bfa_f_b_w`` (F_B). SGLang's own method serves where the projection
-cannot (one warning says why) and for any M its plan has no step for (no tuned plan, or M above the largest tuned
-one). A forward never builds or communicates: ranks that skip self-attention in a step (DP attention) cannot leave
+cannot (one warning says why: also where the weights arrive without ``post_load_weights``, as SGLang's IPC weight
+cache loads them) and for any M its plan has no step for (no tuned plan, or M above the largest tuned one). A forward never builds or communicates: ranks that skip self-attention in a step (DP attention) cannot leave
 the others waiting.
 """
 
@@ -31,6 +31,8 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._kda_projection: KDAProjection | None = None
+        # Whether SGLang's post-load step reached this layer (or a forward already said that it did not).
+        self._kda_load_seen = False
 
     def kda_geometry(self) -> KDAGeometry:
         """This rank's shapes: heads sharded over the attention-TP group, as SGLang shards the layer."""
@@ -88,6 +90,7 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         """SGLang's merge (from ``post_load_weights``, on every rank, before CUDA-graph capture), then, under
         ``--attention-backend kda``, this layer's projection over the final weights."""
         super()._merge_bfa_weights()
+        self._kda_load_seen = True
         self._kda_projection = self._build_kda_projection() if kda_selected() else None
 
     def forward_qkvbfg_fused(self, hidden_states: torch.Tensor, defer_f_b: bool = False):
@@ -100,6 +103,14 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
             one ``[M, 4*hD]`` output, beta and f_a views into the ``[M, fab_rows]`` F_A/beta output, as SGLang's.
         """
         projection = self._kda_projection
+        if projection is None and not self._kda_load_seen:
+            self._kda_load_seen = True
+            if kda_selected():
+                # SGLang's IPC weight cache (--load-format ipc_cache) maps weights the daemon processed and skips
+                # post_load_weights, so the projection was never built.
+                warn_once("sglang-not-loaded", "SGLang: Kimi-K3 KDA projection kept on SGLang's path: the weights "
+                          "were loaded without post_load_weights (SGLang's IPC weight cache skips it), so "
+                          "kda-backend's projection was never built")
         if projection is None or not projection.serves(hidden_states.shape[0]):
             # No projection, or no tuned step for this M (no tuned plan, or M above the largest tuned one: the
             # plan's resolution said so once): SGLang's own method, its overlap included.

@@ -470,6 +470,17 @@ def test_unmerged_weights_keep_sglang_method(kda_backend_selected, kda_log, monk
     assert layer._kda_projection is None
 
 
+def test_weights_loaded_without_post_load_weights_keep_sglang_method_with_one_warning(kda_backend_selected, kda_log):
+    """SGLang's IPC weight cache maps weights a daemon processed and skips ``post_load_weights``: no projection is
+    built, SGLang's method serves, and the first forward says so once (not a silent slow path)."""
+    layer = _build_layer(merge=False)
+    x = torch.randn(3, HIDDEN).bfloat16()
+    for _ in range(2):
+        assert layer.forward_qkvbfg_fused(x) is not None
+    assert layer._kda_projection is None
+    assert sum("loaded without post_load_weights" in m for m in kda_log.messages()) == 1
+
+
 def test_rocm_keeps_sglang_method(kda_backend_selected, kda_log, monkeypatch):
     """On ROCm SGLang fuses the in-projection itself: under ``kda`` its method still serves, with one warning."""
     import sglang.srt.utils
