@@ -6,8 +6,9 @@ projection is built right after that merge, at load time on every rank together 
 tensor-parallel group), over zero-copy views of ``fused_qkvg_proj.weight`` (QKVG), the merged ``_bfa_w``
 ([f_a | b | pad to 8 rows], F_A/beta) and ``_bfa_f_b_w`` (F_B). SGLang's own method serves where the projection
 cannot (one warning says why: also where the weights arrive without ``post_load_weights``, as SGLang's IPC weight
-cache loads them) and for any M its plan has no step for (no tuned plan, or M above the largest tuned one). A forward never builds or communicates: ranks that skip self-attention in a step (DP attention) cannot leave
-the others waiting.
+cache loads them) and for any M its plan has no step for (no tuned plan, or M above the largest tuned one). A
+forward never builds or communicates: ranks that skip self-attention in a step (DP attention) cannot leave the
+others waiting.
 """
 
 from __future__ import annotations
