@@ -67,6 +67,12 @@ def why_not_one_launch_stage(qkvg: Tactic, fab: Tactic, fb: Tactic) -> str | Non
     return None
 
 
+def tiles(gemm: SkinnyGemm, m_tokens) -> int:
+    """``gemm``'s output tiles over ``m_tokens`` tokens (a runtime value in a kernel): row blocks times token tiles,
+    as :func:`~kda_backend.kernels.skinny_gemm.output_tiles` counts them on the host."""
+    return row_blocks(gemm.n, gemm.tactic.block_n) * cute.ceil_div(m_tokens, gemm.tactic.block_t)
+
+
 class SharedCarve:
     """Shared-memory tensors carved in order from one allocation of ``size`` bytes at ``base``, with the
     ``allocate_tensor`` of ``cutlass.memory.SmemAllocator``: the programs of one launch each carve their own from the
@@ -109,12 +115,10 @@ class SideChainGemm:
 
     def ctas(self, m_tokens) -> int:
         """CTAs of both programs over ``m_tokens`` tokens: one per F_A/beta tile and K part, one per F_B tile."""
-        fb = self.fb.tactic
-        return self.fab_ctas(m_tokens) + row_blocks(self.fb.n, fb.block_n) * cute.ceil_div(m_tokens, fb.block_t)
+        return self.fab_ctas(m_tokens) + tiles(self.fb, m_tokens)
 
     def fab_ctas(self, m_tokens) -> int:
-        fab = self.fab.tactic
-        return row_blocks(self.fab.n, fab.block_n) * cute.ceil_div(m_tokens, fab.block_t) * fab.split_k
+        return tiles(self.fab, m_tokens) * self.fab.tactic.split_k
 
     @cute.jit
     def __call__(
@@ -168,9 +172,7 @@ class SideChainGemm:
     def fab_program(self, base, tidx, ticket, m_x, m_w_fab, m_arrivals, m_chain, fab_ops):
         """F_A/beta's tile (and K part) of ticket ``ticket`` (below :meth:`fab_ctas`), its shared memory carved
         from ``base``."""
-        fab = self.fab.tactic
-        fab_rows = row_blocks(self.fab.n, fab.block_n)
-        fab_tiles = fab_rows * cute.ceil_div(m_x.shape[0], fab.block_t)
+        fab_rows, fab_tiles = row_blocks(self.fab.n, self.fab.tactic.block_n), tiles(self.fab, m_x.shape[0])
         self.fab.tile(SharedCarve(base, self.area), tidx, ticket % fab_rows, ticket % fab_tiles // fab_rows,
                       ticket // fab_tiles, m_x, m_w_fab, fab_ops[0], fab_ops[1], m_arrivals, m_chain, None,
                       *fab_ops[2:], own_exit=False)
@@ -179,11 +181,9 @@ class SideChainGemm:
     def fb_program(self, base, tidx, f, m_tokens, m_chain, m_fa, m_w_fb, fb_ops):
         """F_B's tile ``f``, loading f_a once every F_A/beta tile is stored, its shared memory carved from
         ``base``."""
-        fab, fb = self.fab.tactic, self.fb.tactic
-        fab_tiles = row_blocks(self.fab.n, fab.block_n) * cute.ceil_div(m_tokens, fab.block_t)
-        fb_rows = row_blocks(self.fb.n, fb.block_n)
+        fb_rows = row_blocks(self.fb.n, self.fb.tactic.block_n)
         self.fb.tile(SharedCarve(base, self.area), tidx, f % fb_rows, f // fb_rows, 0, m_fa, m_w_fb, fb_ops[0],
-                     None, None, m_chain, fab_tiles, *fb_ops[2:], own_exit=False)
+                     None, None, m_chain, tiles(self.fab, m_tokens), *fb_ops[2:], own_exit=False)
 
     @cute.jit
     def count_out(self, m_chain, tidx):
@@ -220,9 +220,6 @@ class StageGemm(SideChainGemm):
         self.qkvg = SkinnyGemm(qkvg, qkvg_n, k, x_row_stride, w_qkvg_row_stride)
         self.area = max(self.area, qkvg.smem_bytes())
 
-    def qkvg_tiles(self, m_tokens) -> int:
-        return row_blocks(self.qkvg.n, self.qkvg.tactic.block_n) * cute.ceil_div(m_tokens, self.qkvg.tactic.block_t)
-
     @cute.jit
     def __call__(
         self,
@@ -246,7 +243,7 @@ class StageGemm(SideChainGemm):
         fb_ops = self.fb.launch_operands(m_fa, m_w_fb, m_g1, None)
         m_tokens = m_x.shape[0]
         self.kernel(m_x, m_w_qkvg, qkvg_ops, m_w_fab, m_arrivals, m_chain, fab_ops, m_fa, m_w_fb, fb_ops).launch(
-            grid=(self.ctas(m_tokens) + self.qkvg_tiles(m_tokens), 1, 1), block=[self.fab.tactic.threads, 1, 1],
+            grid=(self.ctas(m_tokens) + tiles(self.qkvg, m_tokens), 1, 1), block=[self.fab.tactic.threads, 1, 1],
             smem=self.area + TICKET_BYTES, stream=stream, use_pdl=True,
         )
 
@@ -259,7 +256,7 @@ class StageGemm(SideChainGemm):
         cute.arch.griddepcontrol_wait()
         ticket = self.draw_ticket(smem, m_chain, tidx)
         m_tokens = m_x.shape[0]
-        fab_ctas, qkvg_tiles = self.fab_ctas(m_tokens), self.qkvg_tiles(m_tokens)
+        fab_ctas, qkvg_tiles = self.fab_ctas(m_tokens), tiles(self.qkvg, m_tokens)
         if ticket < fab_ctas:
             self.fab_program(base, tidx, ticket, m_x, m_w_fab, m_arrivals, m_chain, fab_ops)
         elif ticket < fab_ctas + qkvg_tiles:
