@@ -1,6 +1,8 @@
 """The Hopper wgmma skinny GEMM: tactics, compilation for sm_90a on the CPU, and on the GPU against an fp32 reference
 for M from 17 to 256 tokens (token tiles smaller than M, split-K, partial row blocks, CUDA-graph replay)."""
 
+import dataclasses
+
 import pytest
 import torch
 from numerics import assert_close, poisoned
@@ -28,6 +30,22 @@ M_VALUES = [17, 24, 32, 40, 64, 100, 128, 200, 256]
 def test_key_names_every_field():
     assert WgmmaTactic(128, 64, 32, 6, split_k=2).key() == "w128k64t32s6x2p"
     assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
+    assert WgmmaTactic(192, 64, 64, 6, split_k=4, in_cluster=True).key() == "w192k64t64s6x4cp"
+    assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True).key() == "w48k64t128s8mp"
+
+
+def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
+    """Tokens on the MMA's M side: one consumer warpgroup per 64 tokens, any multiple of 8 weight rows per CTA
+    (48 rows: 128 CTAs for TP 8 QKVG), and token tiles of 64 or 128 covering M."""
+    tactic = WgmmaTactic(48, 64, 64, 8, tokens_on_m=True)
+    assert tactic.consumer_warpgroups == 1 and tactic.acc_registers() == 24
+    assert [tactic.for_tokens(m).block_t for m in (17, 64, 65, 128, 256)] == [64, 64, 128, 128, 128]
+    assert tactic.for_tokens(100).consumer_warpgroups == 2 and tactic.ctas(QKVG_TP8, 64) == 128
+    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
+    assert "block_t=32 must be 64, 128 or 192" in validate_wgmma_tactic(
+        dataclasses.replace(tactic, block_t=32), QKVG_TP8, K, K)
+    assert "block_n=44 must be a multiple of 8" in validate_wgmma_tactic(
+        dataclasses.replace(tactic, block_n=44), QKVG_TP8, K, K)
     tactic = WgmmaTactic()
     assert tactic.with_activations_from_l2() is tactic and tactic.family == "wgmma"
 
@@ -40,11 +58,25 @@ def test_workspace_and_ctas_by_schedule():
     assert split.ctas(QKVG_TP8, 100) == 96 * 2
     assert split.counters(QKVG_TP8, 100) == 96
     assert not plain.uses_workspace and plain.ctas(QKVG_TP8, 100) == 96
+    cluster = WgmmaTactic(192, 64, 64, 6, split_k=4, in_cluster=True)
+    assert not cluster.uses_workspace and cluster.ctas(QKVG_TP8, 64) == 32 * 4
+
+
+def test_in_cluster_partial_fits_the_drained_ring():
+    """An in-cluster split stages its fp32 partial in the ring; where the partial is larger, shared memory grows."""
+    small = WgmmaTactic(192, 64, 64, 6, split_k=4, in_cluster=True)
+    assert small.partial_bytes() == 192 * 64 * 4 < 6 * small.stage_bytes()
+    assert small.smem_bytes() == 1024 + 6 * small.stage_bytes()
+    large = WgmmaTactic(256, 64, 128, 2, split_k=2, in_cluster=True)
+    assert large.smem_bytes() == 1024 + 256 * 128 * 4 > 1024 + 2 * large.stage_bytes()
+    assert WgmmaTactic(256, 64, 128, 2, split_k=2).smem_bytes() == 1024 + 2 * large.stage_bytes()
 
 
 def test_threads_and_shared_memory():
     """One or two consumer warpgroups and one producer warp; the ring after a 1 KB barrier area."""
     assert WgmmaTactic(block_n=64).threads == 160 and WgmmaTactic(block_n=256).threads == 288
+    assert WgmmaTactic(block_n=192).threads == 3 * 128 + 32
+    assert WgmmaTactic(192, 64, 128, 4).acc_registers() == 64
     assert WgmmaTactic(128, 64, 32, 6).smem_bytes() == 1024 + 6 * (128 + 32) * 64 * 2
 
 
@@ -52,14 +84,17 @@ def test_threads_and_shared_memory():
     "tactic,n,k,xs,match",
     [
         (WgmmaTactic(), 100, K, K, "N=100 must be a multiple of 8"),
-        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be 64, 128 or 256"),
+        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be one of (64, 128, 192, 256)"),
         (WgmmaTactic(block_k=256), QKVG_TP8, K, K, "block_k=256 must be 64 or 128"),
         (WgmmaTactic(block_k=128, stages=4), QKVG_TP8, 7104, 7104, "dividing K=7104"),
         (WgmmaTactic(block_t=20), QKVG_TP8, K, K, "block_t=20 must be a multiple of 8"),
         (WgmmaTactic(block_t=264), QKVG_TP8, K, K, "block_t=264"),
         (WgmmaTactic(block_n=256, block_t=192, stages=2), QKVG_TP8, K, K, "192 accumulator registers"),
+        (WgmmaTactic(block_n=192, block_t=192, stages=2), QKVG_TP8, K, K, "96 accumulator registers per thread > 64"),
         (WgmmaTactic(stages=1), QKVG_TP8, K, K, "stages=1"),
         (WgmmaTactic(split_k=3), QKVG_TP8, K, K, "split_k=3 must divide the 112 K-tiles"),
+        (WgmmaTactic(split_k=14, in_cluster=True), QKVG_TP8, K, K, "in_cluster needs split_k from 2 to 8"),
+        (WgmmaTactic(split_k=1, in_cluster=True), QKVG_TP8, K, K, "in_cluster needs split_k from 2 to 8"),
         (WgmmaTactic(128, 64, 256, 6), QKVG_TP8, K, K, "shared memory"),
         (WgmmaTactic(), QKVG_TP8, K, 7172, "x row stride 7172"),
     ],
@@ -124,6 +159,12 @@ COMPILE_CASES = [
     (WgmmaTactic(128, 64, 64, 6), QKVG_TP4),
     (WgmmaTactic(64, 64, 32, 6, split_k=14), FAB),
     (WgmmaTactic(64, 64, 24, 6, split_k=7), 136),
+    (WgmmaTactic(192, 64, 32, 8), QKVG_TP8),
+    (WgmmaTactic(192, 64, 64, 6, split_k=4, in_cluster=True), QKVG_TP8),
+    (WgmmaTactic(128, 64, 128, 5, split_k=2, in_cluster=True, pdl=False), QKVG_TP4),
+    (WgmmaTactic(64, 64, 24, 6, split_k=8, in_cluster=True), 136),
+    (WgmmaTactic(48, 64, 64, 10, tokens_on_m=True), QKVG_TP8),
+    (WgmmaTactic(48, 64, 128, 6, split_k=2, in_cluster=True, tokens_on_m=True, pdl=False), 136),
 ]
 
 
@@ -143,6 +184,9 @@ def _gpu_tactics(m):
     tactics.append(WgmmaTactic(64, 64, 16, 8))
     if m > 64:
         tactics.append(WgmmaTactic(128, 64, 48, 6))
+    if block_t <= 128:
+        tactics.append(WgmmaTactic(192, 64, block_t, 5))
+    tactics.append(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).for_tokens(m))
     return tactics
 
 
@@ -186,8 +230,37 @@ def test_split_k_and_partial_row_blocks_match_reference(tactic, n, m):
     _check(tactic, m, n)
 
 
+IN_CLUSTER_CASES = [
+    (WgmmaTactic(192, 64, 128, 4, split_k=4, in_cluster=True), QKVG_TP8),
+    (WgmmaTactic(128, 64, 128, 5, split_k=2, in_cluster=True), QKVG_TP8),
+    (WgmmaTactic(256, 64, 64, 4, split_k=8, in_cluster=True, pdl=False), QKVG_TP8),
+    (WgmmaTactic(64, 64, 48, 6, split_k=8, in_cluster=True), 136),
+    (WgmmaTactic(48, 64, 128, 6, split_k=2, in_cluster=True, tokens_on_m=True), 136),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2)],
+@pytest.mark.parametrize("tactic,n", IN_CLUSTER_CASES, ids=lambda c: c.key() if isinstance(c, WgmmaTactic) else f"N{c}")
+@pytest.mark.parametrize("m", [17, 100, 256], ids=lambda m: f"M{m}")
+def test_in_cluster_split_k_matches_reference_and_workspace_split_k_bits(tactic, n, m):
+    """The cluster's sum through distributed shared memory equals the reference and, bit for bit, the same split
+    summed through the workspace (both add the partials in split order); rows past N (136 rows) are never stored."""
+    from kda_backend.providers.cute_provider import launch
+
+    _check(tactic, m, n, seed=m)
+    generator = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16, generator=generator)
+    w = torch.randn(n, K, device="cuda", dtype=torch.bfloat16, generator=generator) * K**-0.5
+    in_cluster, workspace = poisoned((m, n), (m, n), device="cuda")
+    launch(tactic, x, w, in_cluster)
+    launch(dataclasses.replace(tactic, in_cluster=False, stages=min(tactic.stages, 4)), x, w, workspace)
+    assert not in_cluster.isnan().any() and torch.equal(in_cluster, workspace), tactic.key()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
+                                    WgmmaTactic(192, 64, 128, 4, split_k=4, in_cluster=True),
+                                    WgmmaTactic(48, 64, 128, 8, tokens_on_m=True)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""

@@ -15,14 +15,12 @@ An untuned QKVG call gets the ``wgmma`` default from 33 to 64 tokens; above 64 o
 
 from __future__ import annotations
 
-import dataclasses
 
 from kda_backend.kernels.skinny_gemm import Tactic, default_tactic, validate_tactic
 from kda_backend.kernels.wgmma_gemm import (
     WgmmaTactic,
     default_wgmma_tactic,
     validate_wgmma_tactic,
-    wgmma_block_t_for,
 )
 
 AnyTactic = Tactic | WgmmaTactic
@@ -57,10 +55,7 @@ def max_m(role: str, capability: tuple[int, int] | None) -> int:
 
 def for_m(tactic: AnyTactic, m: int) -> AnyTactic:
     """``tactic`` as it runs ``m`` tokens: a ``wgmma`` tactic with the token tile covering ``m``."""
-    if isinstance(tactic, WgmmaTactic):
-        block_t = wgmma_block_t_for(m)
-        return tactic if tactic.block_t == block_t else dataclasses.replace(tactic, block_t=block_t)
-    return tactic
+    return tactic.for_tokens(m) if isinstance(tactic, WgmmaTactic) else tactic
 
 
 def default_for(role: str, n: int, k: int, m: int, capability: tuple[int, int] | None) -> AnyTactic:

@@ -17,9 +17,12 @@ both operands from shared memory by descriptor, and one instruction covers 64 we
   reads them), see :mod:`kda_backend.kernels.l2_cache_policy`.
 - Accumulation in fp32 registers; each consumer keeps one K-tile of MMAs in flight and frees the slot of the one
   before. No cross-warp reduction and no floating-point atomics, so results are bitwise deterministic; split-K
-  (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, with the protocol of
+  (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, either with the protocol of
   :class:`~kda_backend.kernels.skinny_gemm.Tactic`'s split-K (fp32 workspace, per-tile arrival counters that the
-  last CTA resets).
+  last CTA resets) or, with :attr:`WgmmaTactic.in_cluster`, through distributed shared memory: the CTAs splitting
+  one tile form a thread-block cluster, each stages its fp32 partial in its drained ring, and each sums and stores
+  its own share of the tile from every split's ring (no workspace, no serial tail). Both sum in split order, so they
+  give the same bits.
 - Programmatic dependent launch: the producer issues the weight tiles of the prologue before
   ``griddepcontrol.wait``, so they stream while the previous kernel (which produced x) drains; only activation
   loads wait for it.
@@ -46,6 +49,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass.utils import hopper_helpers
 
 from kda_backend.kernels.arrival_counters import SPLIT_K_COUNTERS
+from kda_backend.kernels.cluster_smem import VECTOR_FLOATS, load_peer_f32x4
 from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_policy
 from kda_backend.kernels.skinny_gemm import (
     COPY_BITS,
@@ -60,6 +64,8 @@ from kda_backend.kernels.skinny_gemm import (
 )
 
 ATOM_ROWS = 64  # wgmma's M: weight rows per instruction and warpgroup
+BLOCK_ROWS = (64, 128, 192, 256)  # weight rows per CTA
+MAX_CLUSTER_CTAS = 8  # the portable thread-block cluster size: the most CTAs an in-cluster split-K may have
 WARPGROUP_THREADS = 128
 PRODUCER_THREADS = 32  # one warp issues the TMA loads
 SWIZZLE_ATOM_BYTES = 1024  # a 128-byte swizzle repeats every 8 rows of 128 bytes; TMA needs the ring aligned to it
@@ -69,6 +75,9 @@ RING_OFFSET_BYTES = SWIZZLE_ATOM_BYTES
 MAX_STAGES = 32  # their 16-byte mbarrier pairs and the flag fit before the ring
 MAX_DEFAULT_STAGES = 12  # the deepest ring the default and the candidates use
 MAX_ACC_REGISTERS = 128  # fp32 accumulators per consumer thread; more spill (255 registers per thread in all)
+# With three consumer warpgroups (416 threads) ptxas targets 128 registers per thread: 96 accumulators (192-row CTAs
+# over 192 tokens) already fail to assemble on sm_90a, 64 fit.
+MAX_ACC_REGISTERS_3WG = 64
 TOKEN_TILES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # the token tiles the candidates use (any multiple of 8 runs)
 MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
@@ -80,9 +89,9 @@ REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per t
 class WgmmaTactic:
     """One specialization of the kernel.
 
-    :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
-        each). Where it does not divide N the last row block is partial (its rows past N are zero-filled and never
-        stored).
+    :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two), 192 (three) or 256 (two, two
+        ``wgmma`` atoms each). Where it does not divide N the last row block is partial (its rows past N are
+        zero-filled and never stored).
     :param block_k: K elements per pipeline stage (64: one 128-byte swizzle atom, or 128), dividing K.
     :param block_t: tokens per CTA, the ``wgmma`` N: a multiple of 8 up to 256; M above it uses more CTAs along grid
         y (each reads the whole weight block again, mostly from L2).
@@ -90,6 +99,13 @@ class WgmmaTactic:
     :param split_k: CTAs sharing one output tile along K (grid z), for N too small to give every SM a row block.
         Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
         counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
+    :param in_cluster: the ``split_k`` CTAs of one output tile run as one thread-block cluster and sum their
+        partials through distributed shared memory instead (no workspace or counters; at most
+        :data:`MAX_CLUSTER_CTAS` splits). Each CTA sums a ``1/split_k`` share of the tile, in split order.
+    :param tokens_on_m: the tokens fill the MMA's M side (64 per consumer warpgroup: ``block_t`` of 64, 128 or
+        192) and the weight rows its N side (``block_n`` any multiple of 8 up to 256), instead of swap-AB. A CTA
+        may then own fewer than 64 weight rows, so more CTAs stream the weights (48 rows: 128 CTAs for Kimi-K3's
+        TP 8 QKVG, against 96 of 64 rows); tokens past M are zero-filled as before.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
     """
 
@@ -100,11 +116,15 @@ class WgmmaTactic:
     block_t: int = 32
     stages: int = 6
     split_k: int = 1
+    in_cluster: bool = False
+    tokens_on_m: bool = False
     pdl: bool = True
 
     @property
     def consumer_warpgroups(self) -> int:
-        return 1 if self.block_n <= ATOM_ROWS else 2
+        if self.tokens_on_m:
+            return max(1, self.block_t // ATOM_ROWS)
+        return {ATOM_ROWS: 1, 3 * ATOM_ROWS: 3}.get(self.block_n, 2)
 
     @property
     def consumer_threads(self) -> int:
@@ -116,15 +136,19 @@ class WgmmaTactic:
 
     def acc_registers(self) -> int:
         """fp32 accumulators each consumer thread holds."""
-        return self.block_n // self.consumer_warpgroups * self.block_t // WARPGROUP_THREADS
+        return self.block_n * self.block_t // self.consumer_warpgroups // WARPGROUP_THREADS
 
     def stage_bytes(self) -> int:
         """Bytes of one ring slot, weight and activation tiles: what its transaction barrier counts."""
         return (self.block_n + self.block_t) * self.block_k * 2
 
+    def partial_bytes(self) -> int:
+        """Bytes of the fp32 partial an in-cluster split stages in its drained ring (0 otherwise)."""
+        return self.block_n * self.block_t * 4 if self.in_cluster else 0
+
     def smem_bytes(self) -> int:
-        """The ring after the barrier area (the output tile reuses the drained ring)."""
-        return RING_OFFSET_BYTES + self.stages * self.stage_bytes()
+        """The ring after the barrier area (the output tile and an in-cluster partial reuse the drained ring)."""
+        return RING_OFFSET_BYTES + max(self.stages * self.stage_bytes(), self.partial_bytes())
 
     def with_activations_from_l2(self) -> WgmmaTactic:
         """Itself: the TMA unit reads activations from L2 already (API parity with
@@ -133,8 +157,8 @@ class WgmmaTactic:
 
     @property
     def uses_workspace(self) -> bool:
-        """Whether a launch takes an fp32 workspace and arrival counters (split-K)."""
-        return self.split_k > 1
+        """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
+        return self.split_k > 1 and not self.in_cluster
 
     def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
         """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
@@ -149,8 +173,15 @@ class WgmmaTactic:
         return output_tiles(self, n, m)
 
     def key(self) -> str:
-        split = f"x{self.split_k}" if self.split_k > 1 else ""
-        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{'p' if self.pdl else ''}"
+        split = f"x{self.split_k}{'c' if self.in_cluster else ''}" if self.split_k > 1 else ""
+        order = "m" if self.tokens_on_m else ""
+        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
+
+    def for_tokens(self, m: int) -> WgmmaTactic:
+        """This tactic with the token tile that runs ``m`` tokens: the smallest covering one (a multiple of 64 up
+        to 128 with ``tokens_on_m``; beyond it, more CTAs along grid y)."""
+        block_t = min(-(-m // ATOM_ROWS), 2) * ATOM_ROWS if self.tokens_on_m else wgmma_block_t_for(m)
+        return self if block_t == self.block_t else dataclasses.replace(self, block_t=block_t)
 
 
 def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int) -> str | None:
@@ -158,19 +189,27 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
     t = tactic
     if n % ELEMS_PER_COPY:
         return f"N={n} must be a multiple of {ELEMS_PER_COPY} (16-byte output vectors)"
-    if t.block_n not in (64, 128, 256):
-        return f"block_n={t.block_n} must be 64, 128 or 256"
+    if t.tokens_on_m:
+        if t.block_n % 8 or not 8 <= t.block_n <= MAX_TOKEN_TILE:
+            return f"block_n={t.block_n} must be a multiple of 8 from 8 to {MAX_TOKEN_TILE} (the MMA's N)"
+        if t.block_t % ATOM_ROWS or not ATOM_ROWS <= t.block_t <= 3 * ATOM_ROWS:
+            return f"block_t={t.block_t} must be 64, 128 or 192 (tokens on the MMA's M)"
+    elif t.block_n not in BLOCK_ROWS:
+        return f"block_n={t.block_n} must be one of {BLOCK_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
         return f"block_k={t.block_k} must be 64 or 128 dividing K={k}"
     if t.block_t % 8 or not 8 <= t.block_t <= MAX_TOKEN_TILE:
         return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKEN_TILE}"
-    if t.acc_registers() > MAX_ACC_REGISTERS:
+    most = MAX_ACC_REGISTERS_3WG if t.consumer_warpgroups == 3 else MAX_ACC_REGISTERS
+    if t.acc_registers() > most:
         return (f"block_n={t.block_n} with block_t={t.block_t} needs {t.acc_registers()} accumulator registers per "
-                f"thread > {MAX_ACC_REGISTERS}")
+                f"thread > {most}")
     if not 2 <= t.stages <= MAX_STAGES:
         return f"stages={t.stages} must be from 2 to {MAX_STAGES}"
     if t.split_k < 1 or (k // t.block_k) % t.split_k:
         return f"split_k={t.split_k} must divide the {k // t.block_k} K-tiles"
+    if t.in_cluster and not 2 <= t.split_k <= MAX_CLUSTER_CTAS:
+        return f"in_cluster needs split_k from 2 to {MAX_CLUSTER_CTAS} (one cluster per tile), got {t.split_k}"
     if t.smem_bytes() > MAX_SMEM_BYTES:
         return f"needs {t.smem_bytes()} B of shared memory > {MAX_SMEM_BYTES}"
     if x_row_stride % ELEMS_PER_COPY:
@@ -290,14 +329,21 @@ class WgmmaGemm:
         self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
         t = self.tactic
         dtype = m_w.element_type
-        tile_mnk = (t.block_n, t.block_t, t.block_k)
-        # Both operands K-major: weights as wgmma's A (M = rows), activations as its B (N = tokens).
+        # Both operands K-major. Swap-AB: weights as wgmma's A (M = rows), activations as its B (N = tokens);
+        # tokens_on_m: the other way round.
+        mma_n = t.block_n if t.tokens_on_m else t.block_t
         tiled_mma = hopper_helpers.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
-            (t.consumer_warpgroups, 1, 1), tiler_mn=(ATOM_ROWS, t.block_t),
+            (t.consumer_warpgroups, 1, 1), tiler_mn=(ATOM_ROWS, mma_n),
         )
-        s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
-        s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+        if cutlass.const_expr(t.tokens_on_m):
+            tile_mnk = (t.block_t, t.block_n, t.block_k)
+            s_x_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+            s_w_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+        else:
+            tile_mnk = (t.block_n, t.block_t, t.block_k)
+            s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+            s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
         # The tensor maps are encoded per call from the tensors, so x's covers this call's M (rows past it read as 0).
         w_tma, w_src = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
@@ -310,9 +356,11 @@ class WgmmaGemm:
         if cutlass.const_expr(m_work is not None):
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
         grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
+        cluster = [1, 1, t.split_k] if t.in_cluster else None
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, tiled_mma
-        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=cluster, smem=t.smem_bytes(), stream=stream,
+                 use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -374,6 +422,10 @@ class WgmmaGemm:
 
         if warp == t.consumer_threads // 32:
             self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, k_first, k_tiles)
+            if cutlass.const_expr(t.in_cluster):
+                # The cluster barriers count every thread: the producer waits out both, see _reduce_in_cluster.
+                self._cluster_sync()
+                self._cluster_sync()
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
@@ -382,8 +434,11 @@ class WgmmaGemm:
             c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, g_o, k_tiles)
-            if cutlass.const_expr(t.split_k > 1):
-                self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
+            if cutlass.const_expr(t.in_cluster):
+                self._reduce_in_cluster(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, bidz)
+            elif cutlass.const_expr(t.split_k > 1):
+                self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(self._mma_view(c_o)), m_tokens, m_work,
+                                     m_arrivals, s_last,
                                      bidx, bidy, bidz, tidx)
                 # Only the CTA that arrived last holds the full sum; the others are done.
                 if s_last[0] == t.split_k - 1:
@@ -442,17 +497,18 @@ class WgmmaGemm:
         """The consumer warpgroups: accumulate this CTA's K-tiles, one K-tile of MMAs in flight; each slot is freed
         once the MMAs reading it completed. Returns the fp32 accumulator fragment of ``g_o`` (block_n, block_t)."""
         t = self.tactic
-        t_rw = tiled_mma.make_fragment_A(thr_mma.partition_A(s_w))
-        t_rx = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(g_o).shape, cutlass.Float32)
+        s_a, s_b = (s_x, s_w) if t.tokens_on_m else (s_w, s_x)
+        t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(self._mma_view(g_o)).shape, cutlass.Float32)
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        self._mma_tile(mainloop, tiled_mma, acc, t_rw, t_rx, read)
+        self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
         read.advance()
         for _ in cutlass.range(1, k_tiles, unroll=1):
-            self._mma_tile(mainloop, tiled_mma, acc, t_rw, t_rx, read)
+            self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
             read.advance()
             # The K-tile before this one is done: its slot may be refilled.
             warpgroup.wait_group(1)
@@ -462,13 +518,26 @@ class WgmmaGemm:
         return acc
 
     @cute.jit
-    def _mma_tile(self, mainloop, tiled_mma, acc, t_rw, t_rx, read):
+    def _mma_tile(self, mainloop, tiled_mma, acc, t_ra, t_rb, read):
         """Wait for the ring slot ``read`` and issue its MMAs (one commit group)."""
         mainloop.consumer_wait(read)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(t_rw, mode=[2])):
-            cute.gemm(tiled_mma, acc, t_rw[None, None, kb, read.index], t_rx[None, None, kb, read.index], acc)
+        for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
+            cute.gemm(tiled_mma, acc, t_ra[None, None, kb, read.index], t_rb[None, None, kb, read.index], acc)
         warpgroup.commit_group()
+
+    def _mma_view(self, tile: cute.Tensor) -> cute.Tensor:
+        """A (rows, tokens) tile as the MMA's C sees it: itself under swap-AB, transposed with ``tokens_on_m``.
+        Every output, staging and workspace tile is kept in (rows, tokens) order; only the MMA partitions differ."""
+        if self.tactic.tokens_on_m:
+            return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
+        return tile
+
+    def _cluster_sync(self) -> None:
+        """Barrier of every thread of the cluster's CTAs: shared-memory writes before it (release) are visible to
+        every CTA of the cluster after it (acquire)."""
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
 
     def _consumers_sync(self) -> None:
         """Barrier of the consumer warpgroups only (the producer warp may have exited)."""
@@ -490,7 +559,7 @@ class WgmmaGemm:
         # Every consumer's MMAs have completed (and with them the last TMA writes): the ring is free.
         self._consumers_sync()
         s_o = cute.make_tensor(ring, cute.make_layout((t.block_n, t.block_t), stride=(1, t.block_n)))
-        t_so = thr_mma.partition_C(s_o)
+        t_so = thr_mma.partition_C(self._mma_view(s_o))
         t_so.store(acc.load().to(s_o.element_type))
         self._consumers_sync()
         vec = (ELEMS_PER_COPY, 1)
@@ -503,13 +572,50 @@ class WgmmaGemm:
                 cute.copy(store, v_s[(None, i)], v_g[(None, i)])
 
     @cute.jit
+    def _reduce_in_cluster(self, acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, rank):
+        """In-cluster split-K: stage this CTA's fp32 partial token-major in its drained ring; once every split's is
+        there, sum share ``rank`` of the tile's 8-row vectors from every CTA's ring in split order (as
+        :meth:`_reduce_split_k` does), and store them as bf16. The second cluster barrier keeps every ring alive
+        until the whole cluster has read it."""
+        t = self.tactic
+        self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
+        s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
+                               cute.make_layout((t.block_n, t.block_t), stride=(1, t.block_n)))
+        thr_mma.partition_C(self._mma_view(s_p)).store(acc.load())
+        self._cluster_sync()
+        vec = (ELEMS_PER_COPY, 1)
+        v_g, v_c = cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), g_o.element_type, num_bits_per_copy=COPY_BITS)
+        vectors = t.block_n * t.block_t // ELEMS_PER_COPY
+        share = -(-vectors // t.split_k)
+        total = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), cutlass.Float32)
+        out = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), g_o.element_type)
+        for j in cutlass.range_constexpr(-(-share // t.consumer_threads)):
+            v = j * t.consumer_threads + tidx
+            i = rank * share + v  # vector i holds elements 8i .. 8i + 7 of the token-major partial
+            if v < share and i < vectors:
+                if self._in_bounds(v_c[(0, i)], m_tokens):
+                    # Every split's loads are issued before the first add: one wait for the cluster, not split_k.
+                    base = s_p.iterator + i * ELEMS_PER_COPY
+                    parts = [load_peer_f32x4(base, split) + load_peer_f32x4(base + VECTOR_FLOATS, split)
+                             for split in range(t.split_k)]
+                    for e in cutlass.range_constexpr(ELEMS_PER_COPY):
+                        value = parts[0][e]
+                        for split in cutlass.range_constexpr(1, t.split_k):
+                            value = value + parts[split][e]
+                        total[e] = value
+                    out.store(total.load().to(g_o.element_type))
+                    cute.copy(store, out, v_g[(None, i)])
+        self._cluster_sync()
+
+    @cute.jit
     def _reduce_split_k(self, acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx):
         """Publish this CTA's partial and count it in; in the CTA that arrives last, replace ``acc`` with the sum
         of every split's partial, in split order (``s_last[0] == split_k - 1`` there). Only real tokens' and rows'
         partials are written and read."""
         t = self.tactic
         tile_shape = (t.block_n, t.block_t)
-        t_gp = thr_mma.partition_C(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy)))
+        t_gp = thr_mma.partition_C(self._mma_view(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy))))
         for i in cutlass.range_constexpr(cute.size(acc)):
             if self._in_bounds(t_co[i], m_tokens):
                 t_gp[i] = acc[i]
@@ -526,7 +632,7 @@ class WgmmaGemm:
             # for L2 about once per chunk, not per split; chunks bound the registers they hold. L2 loads (.cg): this
             # SM's L1 may hold a stale copy of a line another CTA wrote since.
             partials = [
-                thr_mma.partition_C(cute.local_tile(m_work[None, None, s], tile_shape, (bidx, bidy)))
+                thr_mma.partition_C(self._mma_view(cute.local_tile(m_work[None, None, s], tile_shape, (bidx, bidy))))
                 for s in range(t.split_k)
             ]
             chunk = max(1, REDUCE_REGISTERS // t.split_k)
