@@ -37,7 +37,7 @@ from kda_backend.kernels.tactics import (
     tactic_bucket,
     wgmma_serves,
 )
-from kda_backend.kernels.wgmma_gemm import default_wgmma_tactic, wgmma_candidate_tactics
+from kda_backend.kernels.wgmma_gemm import default_wgmma_tactic, leaves_room, wgmma_candidate_tactics
 from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step, TacticTable
 from kda_backend.plugins import hooks
 from kda_backend.projection import KDAProjection
@@ -53,8 +53,9 @@ LAYERS = 24
 DEFAULT_MS = engine_batch_sizes("all")
 # Representative M per tactic bucket (see kernels.tactics.tactic_bucket) for tactic tuning.
 BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 64), 128: (96, 128), 256: (192, 256)}
-# wgmma QKVG candidates timed alone per bucket, and how many of them go on to the overlapped stage.
-WGMMA_CANDIDATES = 5
+# wgmma QKVG candidates timed alone per bucket, and how many of them go on to the overlapped stage (besides the
+# fastest one that leaves room for the side chain, see _wgmma_finalists).
+WGMMA_CANDIDATES = 9
 WGMMA_FINALISTS = 2
 FINALISTS = 4  # in-stage candidates timed again
 RETIMING_ROUNDS = 2
@@ -232,7 +233,8 @@ def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic
     """The wgmma QKVG candidates timed alone: the default (64-row CTAs, the deepest one-CTA ring), the deepest
     one-CTA rings of 128-row CTAs and of 128-element K-tiles, each with and without programmatic dependent launch
     (measured on H200 for Kimi-K3 TP8 at M = 32: 64-row CTAs 23.03 us without it and 24.18 with it, 128-row ones
-    24.50 and 27.86; at TP4 64-row CTAs were faster with it), at most :data:`WGMMA_CANDIDATES`."""
+    24.50 and 27.86; at TP4 64-row CTAs were faster with it), and the tokens-on-M tactics
+    (:func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_tactics`), at most :data:`WGMMA_CANDIDATES`."""
     default = default_wgmma_tactic(n, k, m)
     cands = wgmma_candidate_tactics(n, k, m, x_row_stride)
 
@@ -244,11 +246,16 @@ def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic
     for tactic in deepest(128, 64):
         picks += [dataclasses.replace(tactic, pdl=False), tactic]
     picks += deepest(64, 128)
+    picks += [c for c in cands if c.tokens_on_m]
     return list(dict.fromkeys(picks))[:WGMMA_CANDIDATES]
 
 
 def _wgmma_finalists(weights, n: int, k: int, xs: int, bucket: int, progress: Callable[[str], None]) -> list:
-    """The :data:`WGMMA_FINALISTS` fastest wgmma QKVG tactics alone over the bucket's M, fastest first."""
+    """The :data:`WGMMA_FINALISTS` fastest wgmma QKVG tactics alone over the bucket's M, fastest first, and the
+    fastest one that :func:`~kda_backend.kernels.wgmma_gemm.leaves_room` for the side chain. A deep ring over every
+    SM wins alone and loses in the stage: measured on H200 for Kimi-K3 TP 8, 128 tokens-on-M CTAs of 48 rows with
+    12 stages took QKVG alone 1.000-1.048x its floor at M = 17..64, but the stage 2.6-19.6 us longer than QKVG alone,
+    with 8 stages 0.4-5.6 us (`benchmarks/results/levers/wgmma-tokens-on-m.log`)."""
     ms = BUCKET_MS[bucket]
     shortlist = verified(weights, "qkvg", wgmma_shortlist(n, k, ms[-1], xs), ms, progress)
     times = {tactic: [time_tactic(weights, "qkvg", tactic, m) for m in ms] for tactic in shortlist}
@@ -256,7 +263,9 @@ def _wgmma_finalists(weights, n: int, k: int, xs: int, bucket: int, progress: Ca
     ranked = sorted(times, key=lambda tactic: slowdown[tactic])
     timed = "; ".join(f"{t.key()} {_label_times(ms, times[t])}" for t in ranked)
     progress(f"tactic qkvg t{bucket} wgmma: {timed}")
-    return ranked[:WGMMA_FINALISTS]
+    finalists = ranked[:WGMMA_FINALISTS]
+    roomy = [tactic for tactic in ranked if leaves_room(tactic)]
+    return finalists + [roomy[0]] if roomy and roomy[0] not in finalists else finalists
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

@@ -118,6 +118,12 @@ WGMMA_TP8 = {
     ("qkvg", 6144, 7168, 64): WgmmaTactic(64, 64, 64, 12, pdl=False),
     ("qkvg", 6144, 7168, 128): WgmmaTactic(64, 64, 128, 9),
 }
+# Tokens on the MMA's M side: 128 CTAs of 48 rows, a ring leaving the side chain room at 64 tokens, PDL at 128.
+TOKENS_ON_M_TP8 = {
+    ("qkvg", 6144, 7168, 32): WgmmaTactic(48, 64, 32, 8, tokens_on_m=True),
+    ("qkvg", 6144, 7168, 64): WgmmaTactic(48, 64, 64, 8, tokens_on_m=True),
+    ("qkvg", 6144, 7168, 128): WgmmaTactic(48, 64, 128, 7, tokens_on_m=True),
+}
 CUTE_QKVG_TORCH_SIDE_CHAIN = Step(overlap=True, qkvg="cute", fab="torch", fb="torch")
 
 
@@ -128,6 +134,15 @@ def test_graph_replay_equals_eager_bitwise_with_wgmma_qkvg(m, step):
     chain (trailing it on one stream in eager) or cuBLAS's."""
     assert isinstance(Plan(tactics=WGMMA_TP8).tactic_for("qkvg", 6144, 7168, m), WgmmaTactic)
     _check_replay_equals_eager(m, True, step, WGMMA_TP8)
+
+
+@pytest.mark.parametrize("m,step", [(17, Step(overlap=True)), (40, Step(overlap=True)),
+                                    (100, CUTE_QKVG_TORCH_SIDE_CHAIN)], ids=["M17", "M40", "M100-torch-side-chain"])
+def test_graph_replay_equals_eager_bitwise_with_tokens_on_m_qkvg(m, step):
+    """The wgmma kernel with the tokens on the MMA's M side (token tiles of 24, 40 and 104 tokens), beside the
+    CuTe side chain or cuBLAS's."""
+    assert Plan(tactics=TOKENS_ON_M_TP8).tactic_for("qkvg", 6144, 7168, m).tokens_on_m
+    _check_replay_equals_eager(m, True, step, TOKENS_ON_M_TP8)
 
 
 @pytest.mark.parametrize("tp", [4, 8], ids=lambda t: f"tp{t}")

@@ -16,6 +16,8 @@ from kda_backend.kernels.wgmma_gemm import (
     WgmmaGemm,
     WgmmaTactic,
     default_wgmma_tactic,
+    leaves_room,
+    tokens_on_m_tactics,
     validate_wgmma_tactic,
     wgmma_block_t_for,
     wgmma_candidate_tactics,
@@ -30,22 +32,26 @@ M_VALUES = [17, 24, 32, 40, 64, 100, 128, 200, 256]
 def test_key_names_every_field():
     assert WgmmaTactic(128, 64, 32, 6, split_k=2).key() == "w128k64t32s6x2p"
     assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
-    assert WgmmaTactic(192, 64, 64, 6, split_k=4, in_cluster=True).key() == "w192k64t64s6x4cp"
     assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True).key() == "w48k64t128s8mp"
 
 
 def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
-    """Tokens on the MMA's M side: one consumer warpgroup per 64 tokens, any multiple of 8 weight rows per CTA
-    (48 rows: 128 CTAs for TP 8 QKVG), and token tiles of 64 or 128 covering M."""
+    """Tokens on the MMA's M side: one consumer warpgroup per 64 tokens (the MMA pads the tile to them, in shared
+    memory only), any multiple of 8 weight rows per CTA (48 rows: 128 CTAs for TP 8 QKVG), token tiles of M rounded
+    up to 8, at most 128; 64-element K-tiles and no split-K."""
     tactic = WgmmaTactic(48, 64, 64, 8, tokens_on_m=True)
-    assert tactic.consumer_warpgroups == 1 and tactic.acc_registers() == 24
-    assert [tactic.for_tokens(m).block_t for m in (17, 64, 65, 128, 256)] == [64, 64, 128, 128, 128]
-    assert tactic.for_tokens(100).consumer_warpgroups == 2 and tactic.ctas(QKVG_TP8, 64) == 128
+    assert tactic.consumer_warpgroups == 1 and tactic.acc_registers() == 24 and tactic.ctas(QKVG_TP8, 64) == 128
+    assert [tactic.for_tokens(m).block_t for m in (17, 64, 65, 128, 256)] == [24, 64, 72, 128, 128]
+    small = tactic.for_tokens(17)
+    assert small.mma_tokens == 64 and small.stage_bytes() == (48 + 24) * 64 * 2
+    assert small.smem_bytes() == 1024 + 8 * (48 + 64) * 64 * 2
+    assert tactic.for_tokens(100).consumer_warpgroups == 2 and tactic.for_tokens(100).mma_tokens == 128
     assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
-    assert "block_t=32 must be 64, 128 or 192" in validate_wgmma_tactic(
-        dataclasses.replace(tactic, block_t=32), QKVG_TP8, K, K)
-    assert "block_n=44 must be a multiple of 8" in validate_wgmma_tactic(
-        dataclasses.replace(tactic, block_n=44), QKVG_TP8, K, K)
+    for change, reason in [({"block_t": 136}, "block_t=136 must be a multiple of 8 from 8 to 128"),
+                           ({"block_n": 44}, "block_n=44 must be a multiple of 8"),
+                           ({"block_k": 128}, "block_k=128: tokens_on_m loads 8-token boxes"),
+                           ({"split_k": 2}, "split_k=2: tokens_on_m runs unsplit")]:
+        assert reason in validate_wgmma_tactic(dataclasses.replace(tactic, **change), QKVG_TP8, K, K)
     tactic = WgmmaTactic()
     assert tactic.with_activations_from_l2() is tactic and tactic.family == "wgmma"
 
@@ -58,25 +64,11 @@ def test_workspace_and_ctas_by_schedule():
     assert split.ctas(QKVG_TP8, 100) == 96 * 2
     assert split.counters(QKVG_TP8, 100) == 96
     assert not plain.uses_workspace and plain.ctas(QKVG_TP8, 100) == 96
-    cluster = WgmmaTactic(192, 64, 64, 6, split_k=4, in_cluster=True)
-    assert not cluster.uses_workspace and cluster.ctas(QKVG_TP8, 64) == 32 * 4
-
-
-def test_in_cluster_partial_fits_the_drained_ring():
-    """An in-cluster split stages its fp32 partial in the ring; where the partial is larger, shared memory grows."""
-    small = WgmmaTactic(192, 64, 64, 6, split_k=4, in_cluster=True)
-    assert small.partial_bytes() == 192 * 64 * 4 < 6 * small.stage_bytes()
-    assert small.smem_bytes() == 1024 + 6 * small.stage_bytes()
-    large = WgmmaTactic(256, 64, 128, 2, split_k=2, in_cluster=True)
-    assert large.smem_bytes() == 1024 + 256 * 128 * 4 > 1024 + 2 * large.stage_bytes()
-    assert WgmmaTactic(256, 64, 128, 2, split_k=2).smem_bytes() == 1024 + 2 * large.stage_bytes()
 
 
 def test_threads_and_shared_memory():
     """One or two consumer warpgroups and one producer warp; the ring after a 1 KB barrier area."""
     assert WgmmaTactic(block_n=64).threads == 160 and WgmmaTactic(block_n=256).threads == 288
-    assert WgmmaTactic(block_n=192).threads == 3 * 128 + 32
-    assert WgmmaTactic(192, 64, 128, 4).acc_registers() == 64
     assert WgmmaTactic(128, 64, 32, 6).smem_bytes() == 1024 + 6 * (128 + 32) * 64 * 2
 
 
@@ -84,17 +76,15 @@ def test_threads_and_shared_memory():
     "tactic,n,k,xs,match",
     [
         (WgmmaTactic(), 100, K, K, "N=100 must be a multiple of 8"),
-        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be one of (64, 128, 192, 256)"),
+        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be one of (64, 128, 256)"),
         (WgmmaTactic(block_k=256), QKVG_TP8, K, K, "block_k=256 must be 64 or 128"),
         (WgmmaTactic(block_k=128, stages=4), QKVG_TP8, 7104, 7104, "dividing K=7104"),
         (WgmmaTactic(block_t=20), QKVG_TP8, K, K, "block_t=20 must be a multiple of 8"),
         (WgmmaTactic(block_t=264), QKVG_TP8, K, K, "block_t=264"),
         (WgmmaTactic(block_n=256, block_t=192, stages=2), QKVG_TP8, K, K, "192 accumulator registers"),
-        (WgmmaTactic(block_n=192, block_t=192, stages=2), QKVG_TP8, K, K, "96 accumulator registers per thread > 64"),
         (WgmmaTactic(stages=1), QKVG_TP8, K, K, "stages=1"),
         (WgmmaTactic(split_k=3), QKVG_TP8, K, K, "split_k=3 must divide the 112 K-tiles"),
-        (WgmmaTactic(split_k=14, in_cluster=True), QKVG_TP8, K, K, "in_cluster needs split_k from 2 to 8"),
-        (WgmmaTactic(split_k=1, in_cluster=True), QKVG_TP8, K, K, "in_cluster needs split_k from 2 to 8"),
+
         (WgmmaTactic(128, 64, 256, 6), QKVG_TP8, K, K, "shared memory"),
         (WgmmaTactic(), QKVG_TP8, K, 7172, "x row stride 7172"),
     ],
@@ -121,12 +111,27 @@ def test_candidates_are_valid_and_include_default(n, m):
     candidates = wgmma_candidate_tactics(n, K, m, K)
     default = default_wgmma_tactic(n, K, m)
     assert validate_wgmma_tactic(default, n, K, K) is None and default in candidates
-    assert 0 < len(candidates) <= 24 and len(set(candidates)) == len(candidates)
+    assert 0 < len(candidates) <= 28 and len(set(candidates)) == len(candidates)
     for tactic in candidates:
         assert validate_wgmma_tactic(tactic, n, K, K) is None
         assert tactic.block_t >= min(m, MAX_TOKEN_TILE)
         if tactic.uses_workspace:
             assert wgmma_output_tiles(tactic, n, m) == output_tiles(tactic, n, m) <= SPLIT_K_COUNTERS
+
+
+@pytest.mark.parametrize("n,rows", [(QKVG_TP8, 48), (QKVG_TP4, 96), (3072, 24)])
+def test_tokens_on_m_candidates_give_every_sm_a_row_block(n, rows):
+    """Tokens-on-M candidates: the fewest rows per CTA that need at most one CTA per SM (128 CTAs for Kimi-K3's
+    QKVG at TP 4, 8 and 16), the deepest ring up to 12 K-tiles and one that leaves half the SM to the side chain,
+    with and without PDL; none above 128 tokens."""
+    tactics = tokens_on_m_tactics(n, K, 64)
+    assert len(tactics) == 4 and {t.block_n for t in tactics} == {rows} and rows * 128 == n
+    assert {t.pdl for t in tactics} == {True, False} and all(t.tokens_on_m and t.block_t == 64 for t in tactics)
+    deep, roomy = max(t.stages for t in tactics), min(t.stages for t in tactics)
+    assert deep <= 12 and not leaves_room(dataclasses.replace(tactics[0], stages=roomy + 1))
+    assert all(leaves_room(t) == (t.stages == roomy) for t in tactics)
+    assert set(tactics) <= set(wgmma_candidate_tactics(n, K, 64, K))
+    assert tokens_on_m_tactics(n, K, 129) == [] and tokens_on_m_tactics(n, K, 17)[0].block_t == 24
 
 
 def test_skinny_n_is_split_to_fill_the_sms():
@@ -159,12 +164,10 @@ COMPILE_CASES = [
     (WgmmaTactic(128, 64, 64, 6), QKVG_TP4),
     (WgmmaTactic(64, 64, 32, 6, split_k=14), FAB),
     (WgmmaTactic(64, 64, 24, 6, split_k=7), 136),
-    (WgmmaTactic(192, 64, 32, 8), QKVG_TP8),
-    (WgmmaTactic(192, 64, 64, 6, split_k=4, in_cluster=True), QKVG_TP8),
-    (WgmmaTactic(128, 64, 128, 5, split_k=2, in_cluster=True, pdl=False), QKVG_TP4),
-    (WgmmaTactic(64, 64, 24, 6, split_k=8, in_cluster=True), 136),
+    (WgmmaTactic(48, 64, 24, 10, tokens_on_m=True), QKVG_TP8),
     (WgmmaTactic(48, 64, 64, 10, tokens_on_m=True), QKVG_TP8),
-    (WgmmaTactic(48, 64, 128, 6, split_k=2, in_cluster=True, tokens_on_m=True, pdl=False), 136),
+    (WgmmaTactic(96, 64, 104, 6, tokens_on_m=True, pdl=False), QKVG_TP4),
+    (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True), 136),
 ]
 
 
@@ -184,9 +187,9 @@ def _gpu_tactics(m):
     tactics.append(WgmmaTactic(64, 64, 16, 8))
     if m > 64:
         tactics.append(WgmmaTactic(128, 64, 48, 6))
-    if block_t <= 128:
-        tactics.append(WgmmaTactic(192, 64, block_t, 5))
-    tactics.append(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).for_tokens(m))
+    if m <= 128:
+        tactics.append(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).for_tokens(m))
+        tactics.append(WgmmaTactic(48, 64, 64, 6, tokens_on_m=True).for_tokens(8 * (m // 16) or 8))  # tile < M
     return tactics
 
 
@@ -230,37 +233,18 @@ def test_split_k_and_partial_row_blocks_match_reference(tactic, n, m):
     _check(tactic, m, n)
 
 
-IN_CLUSTER_CASES = [
-    (WgmmaTactic(192, 64, 128, 4, split_k=4, in_cluster=True), QKVG_TP8),
-    (WgmmaTactic(128, 64, 128, 5, split_k=2, in_cluster=True), QKVG_TP8),
-    (WgmmaTactic(256, 64, 64, 4, split_k=8, in_cluster=True, pdl=False), QKVG_TP8),
-    (WgmmaTactic(64, 64, 48, 6, split_k=8, in_cluster=True), 136),
-    (WgmmaTactic(48, 64, 128, 6, split_k=2, in_cluster=True, tokens_on_m=True), 136),
-]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("tactic,n", IN_CLUSTER_CASES, ids=lambda c: c.key() if isinstance(c, WgmmaTactic) else f"N{c}")
-@pytest.mark.parametrize("m", [17, 100, 256], ids=lambda m: f"M{m}")
-def test_in_cluster_split_k_matches_reference_and_workspace_split_k_bits(tactic, n, m):
-    """The cluster's sum through distributed shared memory equals the reference and, bit for bit, the same split
-    summed through the workspace (both add the partials in split order); rows past N (136 rows) are never stored."""
-    from kda_backend.providers.cute_provider import launch
-
-    _check(tactic, m, n, seed=m)
-    generator = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16, generator=generator)
-    w = torch.randn(n, K, device="cuda", dtype=torch.bfloat16, generator=generator) * K**-0.5
-    in_cluster, workspace = poisoned((m, n), (m, n), device="cuda")
-    launch(tactic, x, w, in_cluster)
-    launch(dataclasses.replace(tactic, in_cluster=False, stages=min(tactic.stages, 4)), x, w, workspace)
-    assert not in_cluster.isnan().any() and torch.equal(in_cluster, workspace), tactic.key()
+@pytest.mark.parametrize("m", [17, 24, 61, 64, 100, 128], ids=lambda m: f"M{m}")
+def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
+    """Tokens on the MMA's M side: padding tokens in shared memory are never loaded and never stored; rows past N
+    (136 rows in 48-row blocks) neither."""
+    _check(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).for_tokens(m), m, 136, seed=m)
+    _check(WgmmaTactic(96, 64, 64, 6, tokens_on_m=True, pdl=False).for_tokens(m), m, QKVG_TP4, seed=m)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
-                                    WgmmaTactic(192, 64, 128, 4, split_k=4, in_cluster=True),
-                                    WgmmaTactic(48, 64, 128, 8, tokens_on_m=True)],
+                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""

@@ -6,6 +6,9 @@ N mode to the tokens: each CTA owns ``block_n`` weight rows and ``block_t`` toke
 are thousands, so the kernel is memory-bound on the weights (each read once); from some tens of tokens on, the
 ``mma.sync`` kernel's ldmatrix traffic and register-fed MMAs cost issue slots that ``wgmma`` spends on nothing: it reads
 both operands from shared memory by descriptor, and one instruction covers 64 weight rows by up to 256 tokens.
+With :attr:`WgmmaTactic.tokens_on_m` the roles turn round: the tokens (padded to 64 per warpgroup) fill the M mode and
+the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs stream the weights (Kimi-K3's TP 8 QKVG:
+128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored.
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -17,12 +20,9 @@ both operands from shared memory by descriptor, and one instruction covers 64 we
   reads them), see :mod:`kda_backend.kernels.l2_cache_policy`.
 - Accumulation in fp32 registers; each consumer keeps one K-tile of MMAs in flight and frees the slot of the one
   before. No cross-warp reduction and no floating-point atomics, so results are bitwise deterministic; split-K
-  (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, either with the protocol of
+  (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, with the protocol of
   :class:`~kda_backend.kernels.skinny_gemm.Tactic`'s split-K (fp32 workspace, per-tile arrival counters that the
-  last CTA resets) or, with :attr:`WgmmaTactic.in_cluster`, through distributed shared memory: the CTAs splitting
-  one tile form a thread-block cluster, each stages its fp32 partial in its drained ring, and each sums and stores
-  its own share of the tile from every split's ring (no workspace, no serial tail). Both sum in split order, so they
-  give the same bits.
+  last CTA resets).
 - Programmatic dependent launch: the producer issues the weight tiles of the prologue before
   ``griddepcontrol.wait``, so they stream while the previous kernel (which produced x) drains; only activation
   loads wait for it.
@@ -49,7 +49,6 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass.utils import hopper_helpers
 
 from kda_backend.kernels.arrival_counters import SPLIT_K_COUNTERS
-from kda_backend.kernels.cluster_smem import VECTOR_FLOATS, load_peer_f32x4
 from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_policy
 from kda_backend.kernels.skinny_gemm import (
     COPY_BITS,
@@ -63,9 +62,14 @@ from kda_backend.kernels.skinny_gemm import (
     row_blocks,
 )
 
-ATOM_ROWS = 64  # wgmma's M: weight rows per instruction and warpgroup
-BLOCK_ROWS = (64, 128, 192, 256)  # weight rows per CTA
-MAX_CLUSTER_CTAS = 8  # the portable thread-block cluster size: the most CTAs an in-cluster split-K may have
+ATOM_ROWS = 64  # wgmma's M: weight rows (tokens with tokens_on_m) per instruction and warpgroup
+BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
+# With tokens_on_m the activations arrive in boxes of 8 tokens: one 128-byte swizzle atom each, contiguous in the MMA's
+# 64-token tile, so only the tile's block_t tokens are loaded. One box of 64 tokens reaching past M is zero-filled by
+# the TMA unit, which measured slow: TP 8 QKVG alone 31.0 / 29.5 us at M = 24 / 32 against 22.5 / 21.9 at 48 / 64
+# (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
+X_BOX_TOKENS = 8
+MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
 WARPGROUP_THREADS = 128
 PRODUCER_THREADS = 32  # one warp issues the TMA loads
 SWIZZLE_ATOM_BYTES = 1024  # a 128-byte swizzle repeats every 8 rows of 128 bytes; TMA needs the ring aligned to it
@@ -75,9 +79,6 @@ RING_OFFSET_BYTES = SWIZZLE_ATOM_BYTES
 MAX_STAGES = 32  # their 16-byte mbarrier pairs and the flag fit before the ring
 MAX_DEFAULT_STAGES = 12  # the deepest ring the default and the candidates use
 MAX_ACC_REGISTERS = 128  # fp32 accumulators per consumer thread; more spill (255 registers per thread in all)
-# With three consumer warpgroups (416 threads) ptxas targets 128 registers per thread: 96 accumulators (192-row CTAs
-# over 192 tokens) already fail to assemble on sm_90a, 64 fit.
-MAX_ACC_REGISTERS_3WG = 64
 TOKEN_TILES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # the token tiles the candidates use (any multiple of 8 runs)
 MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
@@ -89,23 +90,20 @@ REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per t
 class WgmmaTactic:
     """One specialization of the kernel.
 
-    :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two), 192 (three) or 256 (two, two
-        ``wgmma`` atoms each). Where it does not divide N the last row block is partial (its rows past N are
-        zero-filled and never stored).
+    :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
+        each); with ``tokens_on_m`` any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
+        row block is partial (its rows past N are zero-filled and never stored).
     :param block_k: K elements per pipeline stage (64: one 128-byte swizzle atom, or 128), dividing K.
-    :param block_t: tokens per CTA, the ``wgmma`` N: a multiple of 8 up to 256; M above it uses more CTAs along grid
-        y (each reads the whole weight block again, mostly from L2).
+    :param block_t: tokens per CTA, a multiple of 8: the ``wgmma`` N, up to 256; with ``tokens_on_m`` up to
+        :data:`MAX_TOKENS_ON_M`, covered by 64-token MMA atoms (one consumer warpgroup each). M above it uses more
+        CTAs along grid y (each reads the whole weight block again, mostly from L2).
     :param stages: K-tiles in flight per CTA (shared memory ring slots).
     :param split_k: CTAs sharing one output tile along K (grid z), for N too small to give every SM a row block.
         Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
         counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
-    :param in_cluster: the ``split_k`` CTAs of one output tile run as one thread-block cluster and sum their
-        partials through distributed shared memory instead (no workspace or counters; at most
-        :data:`MAX_CLUSTER_CTAS` splits). Each CTA sums a ``1/split_k`` share of the tile, in split order.
-    :param tokens_on_m: the tokens fill the MMA's M side (64 per consumer warpgroup: ``block_t`` of 64, 128 or
-        192) and the weight rows its N side (``block_n`` any multiple of 8 up to 256), instead of swap-AB. A CTA
-        may then own fewer than 64 weight rows, so more CTAs stream the weights (48 rows: 128 CTAs for Kimi-K3's
-        TP 8 QKVG, against 96 of 64 rows); tokens past M are zero-filled as before.
+    :param tokens_on_m: the tokens fill the MMA's M side and the weight rows its N side, instead of swap-AB
+        (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
+        weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
     """
 
@@ -116,15 +114,18 @@ class WgmmaTactic:
     block_t: int = 32
     stages: int = 6
     split_k: int = 1
-    in_cluster: bool = False
     tokens_on_m: bool = False
     pdl: bool = True
 
     @property
     def consumer_warpgroups(self) -> int:
-        if self.tokens_on_m:
-            return max(1, self.block_t // ATOM_ROWS)
-        return {ATOM_ROWS: 1, 3 * ATOM_ROWS: 3}.get(self.block_n, 2)
+        rows = self.block_t if self.tokens_on_m else self.block_n
+        return 1 if rows <= ATOM_ROWS else 2
+
+    @property
+    def mma_tokens(self) -> int:
+        """Tokens one CTA's MMAs cover: ``block_t``, or with ``tokens_on_m`` whole 64-token atoms."""
+        return ATOM_ROWS * self.consumer_warpgroups if self.tokens_on_m else self.block_t
 
     @property
     def consumer_threads(self) -> int:
@@ -136,19 +137,19 @@ class WgmmaTactic:
 
     def acc_registers(self) -> int:
         """fp32 accumulators each consumer thread holds."""
-        return self.block_n * self.block_t // self.consumer_warpgroups // WARPGROUP_THREADS
+        return self.block_n * self.mma_tokens // self.consumer_warpgroups // WARPGROUP_THREADS
 
     def stage_bytes(self) -> int:
-        """Bytes of one ring slot, weight and activation tiles: what its transaction barrier counts."""
+        """Bytes loaded into one ring slot, weight and activation tiles: what its transaction barrier counts."""
         return (self.block_n + self.block_t) * self.block_k * 2
 
-    def partial_bytes(self) -> int:
-        """Bytes of the fp32 partial an in-cluster split stages in its drained ring (0 otherwise)."""
-        return self.block_n * self.block_t * 4 if self.in_cluster else 0
+    def slot_bytes(self) -> int:
+        """Shared memory of one ring slot: the MMA's whole activation tile (its padding tokens stay unloaded)."""
+        return (self.block_n + self.mma_tokens) * self.block_k * 2
 
     def smem_bytes(self) -> int:
-        """The ring after the barrier area (the output tile and an in-cluster partial reuse the drained ring)."""
-        return RING_OFFSET_BYTES + max(self.stages * self.stage_bytes(), self.partial_bytes())
+        """The ring after the barrier area (the output tile reuses the drained ring)."""
+        return RING_OFFSET_BYTES + self.stages * self.slot_bytes()
 
     def with_activations_from_l2(self) -> WgmmaTactic:
         """Itself: the TMA unit reads activations from L2 already (API parity with
@@ -157,8 +158,8 @@ class WgmmaTactic:
 
     @property
     def uses_workspace(self) -> bool:
-        """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
-        return self.split_k > 1 and not self.in_cluster
+        """Whether a launch takes an fp32 workspace and arrival counters (split-K)."""
+        return self.split_k > 1
 
     def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
         """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
@@ -173,14 +174,14 @@ class WgmmaTactic:
         return output_tiles(self, n, m)
 
     def key(self) -> str:
-        split = f"x{self.split_k}{'c' if self.in_cluster else ''}" if self.split_k > 1 else ""
+        split = f"x{self.split_k}" if self.split_k > 1 else ""
         order = "m" if self.tokens_on_m else ""
         return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
 
     def for_tokens(self, m: int) -> WgmmaTactic:
-        """This tactic with the token tile that runs ``m`` tokens: the smallest covering one (a multiple of 64 up
-        to 128 with ``tokens_on_m``; beyond it, more CTAs along grid y)."""
-        block_t = min(-(-m // ATOM_ROWS), 2) * ATOM_ROWS if self.tokens_on_m else wgmma_block_t_for(m)
+        """This tactic with the token tile that runs ``m`` tokens: the smallest covering one (with ``tokens_on_m``
+        ``m`` rounded up to a multiple of 8)."""
+        block_t = min(-(-m // 8) * 8, MAX_TOKENS_ON_M) if self.tokens_on_m else wgmma_block_t_for(m)
         return self if block_t == self.block_t else dataclasses.replace(self, block_t=block_t)
 
 
@@ -192,24 +193,25 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
     if t.tokens_on_m:
         if t.block_n % 8 or not 8 <= t.block_n <= MAX_TOKEN_TILE:
             return f"block_n={t.block_n} must be a multiple of 8 from 8 to {MAX_TOKEN_TILE} (the MMA's N)"
-        if t.block_t % ATOM_ROWS or not ATOM_ROWS <= t.block_t <= 3 * ATOM_ROWS:
-            return f"block_t={t.block_t} must be 64, 128 or 192 (tokens on the MMA's M)"
+        if t.block_t % X_BOX_TOKENS or not X_BOX_TOKENS <= t.block_t <= MAX_TOKENS_ON_M:
+            return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKENS_ON_M} with tokens_on_m"
+        if t.block_k != 64:
+            return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
+        if t.split_k != 1:
+            return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
         return f"block_k={t.block_k} must be 64 or 128 dividing K={k}"
     if t.block_t % 8 or not 8 <= t.block_t <= MAX_TOKEN_TILE:
         return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKEN_TILE}"
-    most = MAX_ACC_REGISTERS_3WG if t.consumer_warpgroups == 3 else MAX_ACC_REGISTERS
-    if t.acc_registers() > most:
+    if t.acc_registers() > MAX_ACC_REGISTERS:
         return (f"block_n={t.block_n} with block_t={t.block_t} needs {t.acc_registers()} accumulator registers per "
-                f"thread > {most}")
+                f"thread > {MAX_ACC_REGISTERS}")
     if not 2 <= t.stages <= MAX_STAGES:
         return f"stages={t.stages} must be from 2 to {MAX_STAGES}"
     if t.split_k < 1 or (k // t.block_k) % t.split_k:
         return f"split_k={t.split_k} must divide the {k // t.block_k} K-tiles"
-    if t.in_cluster and not 2 <= t.split_k <= MAX_CLUSTER_CTAS:
-        return f"in_cluster needs split_k from 2 to {MAX_CLUSTER_CTAS} (one cluster per tile), got {t.split_k}"
     if t.smem_bytes() > MAX_SMEM_BYTES:
         return f"needs {t.smem_bytes()} B of shared memory > {MAX_SMEM_BYTES}"
     if x_row_stride % ELEMS_PER_COPY:
@@ -227,11 +229,22 @@ def wgmma_block_t_for(m: int) -> int:
     return next((t for t in TOKEN_TILES if m <= t), MAX_TOKEN_TILE)
 
 
-def max_stages(block_n: int, block_k: int, block_t: int, ctas_per_sm: int) -> int:
+def max_stages(block_n: int, block_k: int, block_t: int, ctas_per_sm: int, tokens_on_m: bool = False) -> int:
     """Most ring slots that let ``ctas_per_sm`` CTAs of this tile share one SM's shared memory."""
-    probe = WgmmaTactic(block_n, block_k, block_t, stages=1)
+    probe = WgmmaTactic(block_n, block_k, block_t, stages=1, tokens_on_m=tokens_on_m)
     budget = MAX_SMEM_BYTES // ctas_per_sm - RING_OFFSET_BYTES - 1024 * (ctas_per_sm - 1)  # 1 KB reserved per CTA
-    return budget // probe.stage_bytes()
+    return budget // probe.slot_bytes()
+
+
+def leaves_room(tactic: WgmmaTactic) -> bool:
+    """Whether ``tactic``'s CTA leaves at least half an SM's shared memory to the side chain's CTAs beside it."""
+    return tactic.smem_bytes() <= MAX_SMEM_BYTES // 2
+
+
+def tokens_on_m_rows(n: int) -> int:
+    """Weight rows per CTA with ``tokens_on_m``: the fewest (a multiple of 8) giving at most :data:`SMS` row blocks,
+    so every SM streams about one (Kimi-K3 QKVG: 48 rows at TP 8, 96 at TP 4, 24 at TP 16, 128 CTAs each)."""
+    return -(-n // (SMS * 8)) * 8
 
 
 def _fill_split(n: int, k: int, m: int, block_n: int, block_k: int, block_t: int) -> int:
@@ -262,9 +275,24 @@ def default_wgmma_tactic(n: int, k: int, m: int) -> WgmmaTactic:
     return WgmmaTactic(64, block_k, block_t, stages, split_k)
 
 
+def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
+    """The ``tokens_on_m`` tactics worth timing at ``m`` tokens (none above :data:`MAX_TOKENS_ON_M` or where
+    64-element K-tiles do not divide K): :func:`tokens_on_m_rows` rows per CTA, the deepest ring one CTA per SM
+    allows (at most 12 K-tiles) and the deepest that :func:`leaves_room` for the side chain, each with and without
+    PDL."""
+    if m > MAX_TOKENS_ON_M or k % 64:
+        return []
+    probe = WgmmaTactic(tokens_on_m_rows(n), 64, 64, 1, tokens_on_m=True).for_tokens(m)
+    deepest = min(MAX_DEFAULT_STAGES, max_stages(probe.block_n, 64, probe.block_t, 1, tokens_on_m=True))
+    roomy = (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes()
+    return [dataclasses.replace(probe, stages=stages, pdl=pdl)
+            for stages in sorted({deepest, roomy}, reverse=True) if stages >= 2 for pdl in (True, False)]
+
+
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
-    size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs."""
+    size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
+    and :func:`tokens_on_m_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -276,8 +304,9 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    if default not in found and validate_wgmma_tactic(default, n, k, x_row_stride) is None:
-        found.append(default)
+    for tactic in [default, *tokens_on_m_tactics(n, k, m)]:
+        if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
+            found.append(tactic)
     return found
 
 
@@ -337,30 +366,34 @@ class WgmmaGemm:
             (t.consumer_warpgroups, 1, 1), tiler_mn=(ATOM_ROWS, mma_n),
         )
         if cutlass.const_expr(t.tokens_on_m):
-            tile_mnk = (t.block_t, t.block_n, t.block_k)
+            tile_mnk = (t.mma_tokens, t.block_n, t.block_k)
             s_x_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_w_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+            # The same ring as boxes of 8 tokens: box j of slot s is rows 8j .. 8j + 7 of that slot's tile.
+            x_box = (X_BOX_TOKENS, t.block_k)
+            s_x_box_layout = hopper_helpers.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (X_BOX_TOKENS, t.block_n, t.block_k), dtype,
+                t.stages * t.mma_tokens // X_BOX_TOKENS,
+            )
         else:
             tile_mnk = (t.block_n, t.block_t, t.block_k)
             s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+            x_box, s_x_box_layout = (t.block_t, t.block_k), s_x_layout
         # The tensor maps are encoded per call from the tensors, so x's covers this call's M (rows past it read as 0).
         w_tma, w_src = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
         )
-        x_tma, x_src = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_layout, (t.block_t, t.block_k)
-        )
+        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
         # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k).
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
         if cutlass.const_expr(m_work is not None):
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
         grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
-        cluster = [1, 1, t.split_k] if t.in_cluster else None
         self.kernel(
-            w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, tiled_mma
-        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=cluster, smem=t.smem_bytes(), stream=stream,
-                 use_pdl=t.pdl)
+            w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
+            tiled_mma,
+        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -374,11 +407,13 @@ class WgmmaGemm:
         m_arrivals: cute.Tensor | None,
         s_w_layout: cute.ComposedLayout,
         s_x_layout: cute.ComposedLayout,
+        s_x_box_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
     ):
         """``w_tma`` / ``w_src`` and ``x_tma`` / ``x_src``: the TMA atoms and their coordinate tensors over w (N, K)
         and x (M, K); ``m_out_t`` (N, M): out transposed; ``m_work`` (N, M, split_k): the split-K workspace, or
-        ``None`` as ``m_arrivals``. Warps
+        ``None`` as ``m_arrivals``; ``s_x_box_layout``: the activation ring as the TMA boxes fill it (``s_x_layout``
+        itself under swap-AB). Warps
         ``0 .. 4 * consumer_warpgroups - 1`` consume, the last one produces."""
         t = self.tactic
         tidx, _, _ = cute.arch.thread_idx()
@@ -395,6 +430,8 @@ class WgmmaGemm:
         ring = smem.allocate_array(dtype, w_elems + cute.cosize(s_x_layout.outer), byte_alignment=SWIZZLE_ATOM_BYTES)
         s_w = cute.make_tensor(cute.recast_ptr(ring, s_w_layout.inner, dtype=dtype), s_w_layout.outer)
         s_x = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_layout.inner, dtype=dtype), s_x_layout.outer)
+        s_x_box = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_box_layout.inner, dtype=dtype),
+                                   s_x_box_layout.outer)
 
         # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane).
         mainloop = pipeline.PipelineTmaAsync.create(
@@ -406,63 +443,63 @@ class WgmmaGemm:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
-        self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, ring, m_out_t, m_work, m_arrivals,
-                           s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
+        self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
+                           m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
 
     @cute.jit
-    def _tile_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, ring, m_out_t, m_work, m_arrivals,
-                      s_last, tiled_mma, warp, tidx, bidx, bidy, bidz):
+    def _tile_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
+                      m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz):
         """One output tile (row block ``bidx``, token tile ``bidy``) and K-split ``bidz`` per CTA."""
         t = self.tactic
         m_tokens = m_out_t.shape[1]
         k_tiles = self.k // t.block_k // t.split_k
         k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
         # (TMA, k_tiles of K) global and (TMA, stages) shared views of each operand.
-        t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w, s_x, bidx, bidy)
+        t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w, s_x_box, bidx, bidy)
 
         if warp == t.consumer_threads // 32:
-            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, k_first, k_tiles)
-            if cutlass.const_expr(t.in_cluster):
-                # The cluster barriers count every thread: the producer waits out both, see _reduce_in_cluster.
-                self._cluster_sync()
-                self._cluster_sync()
+            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidy, k_first, k_tiles)
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
             # x without waiting, see skinny_gemm.Link).
             g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
             c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
+            # The MMAs' (rows, tokens) tile, staged in the drained ring on its way out.
+            s_o = cute.make_tensor(ring, cute.make_layout((t.block_n, t.mma_tokens), stride=(1, t.block_n)))
             thr_mma = tiled_mma.get_slice(tidx)
-            acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, g_o, k_tiles)
-            if cutlass.const_expr(t.in_cluster):
-                self._reduce_in_cluster(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, bidz)
-            elif cutlass.const_expr(t.split_k > 1):
-                self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(self._mma_view(c_o)), m_tokens, m_work,
-                                     m_arrivals, s_last,
+            acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
+            if cutlass.const_expr(t.split_k > 1):
+                self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
                                      bidx, bidy, bidz, tidx)
                 # Only the CTA that arrived last holds the full sum; the others are done.
                 if s_last[0] == t.split_k - 1:
-                    self._store_tile(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx)
+                    self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
             else:
-                self._store_tile(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx)
+                self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
 
-    def _tma_views(self, w_tma, w_src, x_tma, x_src, s_w, s_x, row_block, token_tile):
+    def _tma_views(self, w_tma, w_src, x_tma, x_src, s_w, s_x_box, row_block, token_tile):
         """The TMA partitions ``(t_sw, t_gw, t_sx, t_gx)`` of the weight and activation tiles: the shared ring's
         (TMA, stages) and the global tiles' (TMA, K-tiles) of row block ``row_block`` and token tile
-        ``token_tile``."""
+        ``token_tile``; with ``tokens_on_m`` the activations' as (TMA, boxes of all stages) and (TMA, boxes of all
+        tokens, K-tiles)."""
         t = self.tactic
         g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
-        g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (token_tile, None))
+        if cutlass.const_expr(t.tokens_on_m):
+            g_x = cute.local_tile(x_src, (X_BOX_TOKENS, t.block_k), (None, None))
+        else:
+            g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (token_tile, None))
         t_sw, t_gw = cpasync.tma_partition(
             w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
         )
         t_sx, t_gx = cpasync.tma_partition(
-            x_tma, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
+            x_tma, 0, cute.make_layout(1), cute.group_modes(s_x_box, 0, 2), cute.group_modes(g_x, 0, 2)
         )
         return t_sw, t_gw, t_sx, t_gx
 
     @cute.jit
-    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, k_first, k_tiles: cutlass.Constexpr[int]):
+    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, token_tile, k_first,
+                 k_tiles: cutlass.Constexpr[int]):
         """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it.
         The TMA copies elect their issuing lane themselves; the whole warp runs this."""
         t = self.tactic
@@ -483,24 +520,37 @@ class WgmmaGemm:
             # The CTA releases the next kernel here, once x is complete: its weight prologue overlaps our tail.
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(prologue):
-            cute.copy(x_tma, t_gx[None, k_first + s], t_sx[None, s],
-                      tma_bar_ptr=mainloop.sync_object_full.get_barrier(s), cache_policy=x_policy)
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + s, s, mainloop.sync_object_full.get_barrier(s),
+                         x_policy)
         for k in cutlass.range(prologue, k_tiles, unroll=1):
             mainloop.producer_acquire(state)
             bar = mainloop.producer_get_barrier(state)
             cute.copy(w_tma, t_gw[None, k_first + k], t_sw[None, state.index], tma_bar_ptr=bar, cache_policy=w_policy)
-            cute.copy(x_tma, t_gx[None, k_first + k], t_sx[None, state.index], tma_bar_ptr=bar, cache_policy=x_policy)
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
 
+    def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
+        """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
+        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
+        t = self.tactic
+        if t.tokens_on_m:  # traced once per box: a static loop
+            boxes, per_slot = t.block_t // X_BOX_TOKENS, t.mma_tokens // X_BOX_TOKENS
+            for j in range(boxes):
+                cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * per_slot + j],
+                          tma_bar_ptr=bar, cache_policy=policy)
+        else:
+            cute.copy(x_tma, t_gx[None, k], t_sx[None, slot], tma_bar_ptr=bar, cache_policy=policy)
+
     @cute.jit
-    def _consume(self, mainloop, tiled_mma, thr_mma, s_w, s_x, g_o, k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
+    def _consume(self, mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
         """The consumer warpgroups: accumulate this CTA's K-tiles, one K-tile of MMAs in flight; each slot is freed
-        once the MMAs reading it completed. Returns the fp32 accumulator fragment of ``g_o`` (block_n, block_t)."""
+        once the MMAs reading it completed. Returns the fp32 accumulator fragment of the (rows, tokens) tile ``s_o``
+        (block_n, mma_tokens)."""
         t = self.tactic
         s_a, s_b = (s_x, s_w) if t.tokens_on_m else (s_w, s_x)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(self._mma_view(g_o)).shape, cutlass.Float32)
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(self._mma_view(s_o)).shape, cutlass.Float32)
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
@@ -533,12 +583,6 @@ class WgmmaGemm:
             return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
         return tile
 
-    def _cluster_sync(self) -> None:
-        """Barrier of every thread of the cluster's CTAs: shared-memory writes before it (release) are visible to
-        every CTA of the cluster after it (acquire)."""
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-
     def _consumers_sync(self) -> None:
         """Barrier of the consumer warpgroups only (the producer warp may have exited)."""
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=self.tactic.consumer_threads)
@@ -551,17 +595,18 @@ class WgmmaGemm:
         return cute.elem_less(coord[1], m_tokens)
 
     @cute.jit
-    def _store_tile(self, acc, thr_mma, ring, g_o, c_o, m_tokens, tidx):
+    def _store_tile(self, acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx):
         """Write the accumulator as bf16, real rows and tokens only. The fragment holds scattered 2-byte elements
-        (neighbouring rows belong to other threads), so it is staged token-major in the drained ring and leaves as
-        16-byte runs of one token's rows."""
+        (neighbouring rows belong to other threads), so it is staged token-major in the drained ring (``s_o``) and
+        leaves as 16-byte runs of one token's rows."""
         t = self.tactic
         # Every consumer's MMAs have completed (and with them the last TMA writes): the ring is free.
         self._consumers_sync()
-        s_o = cute.make_tensor(ring, cute.make_layout((t.block_n, t.block_t), stride=(1, t.block_n)))
         t_so = thr_mma.partition_C(self._mma_view(s_o))
         t_so.store(acc.load().to(s_o.element_type))
         self._consumers_sync()
+        if cutlass.const_expr(t.tokens_on_m):
+            s_o = cute.local_tile(s_o, (t.block_n, t.block_t), (0, 0))  # the tile's tokens, not the MMA's padding
         vec = (ELEMS_PER_COPY, 1)
         v_s, v_g, v_c = cute.zipped_divide(s_o, vec), cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_o.element_type, num_bits_per_copy=COPY_BITS)
@@ -572,50 +617,13 @@ class WgmmaGemm:
                 cute.copy(store, v_s[(None, i)], v_g[(None, i)])
 
     @cute.jit
-    def _reduce_in_cluster(self, acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, rank):
-        """In-cluster split-K: stage this CTA's fp32 partial token-major in its drained ring; once every split's is
-        there, sum share ``rank`` of the tile's 8-row vectors from every CTA's ring in split order (as
-        :meth:`_reduce_split_k` does), and store them as bf16. The second cluster barrier keeps every ring alive
-        until the whole cluster has read it."""
-        t = self.tactic
-        self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
-        s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
-                               cute.make_layout((t.block_n, t.block_t), stride=(1, t.block_n)))
-        thr_mma.partition_C(self._mma_view(s_p)).store(acc.load())
-        self._cluster_sync()
-        vec = (ELEMS_PER_COPY, 1)
-        v_g, v_c = cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
-        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), g_o.element_type, num_bits_per_copy=COPY_BITS)
-        vectors = t.block_n * t.block_t // ELEMS_PER_COPY
-        share = -(-vectors // t.split_k)
-        total = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), cutlass.Float32)
-        out = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), g_o.element_type)
-        for j in cutlass.range_constexpr(-(-share // t.consumer_threads)):
-            v = j * t.consumer_threads + tidx
-            i = rank * share + v  # vector i holds elements 8i .. 8i + 7 of the token-major partial
-            if v < share and i < vectors:
-                if self._in_bounds(v_c[(0, i)], m_tokens):
-                    # Every split's loads are issued before the first add: one wait for the cluster, not split_k.
-                    base = s_p.iterator + i * ELEMS_PER_COPY
-                    parts = [load_peer_f32x4(base, split) + load_peer_f32x4(base + VECTOR_FLOATS, split)
-                             for split in range(t.split_k)]
-                    for e in cutlass.range_constexpr(ELEMS_PER_COPY):
-                        value = parts[0][e]
-                        for split in cutlass.range_constexpr(1, t.split_k):
-                            value = value + parts[split][e]
-                        total[e] = value
-                    out.store(total.load().to(g_o.element_type))
-                    cute.copy(store, out, v_g[(None, i)])
-        self._cluster_sync()
-
-    @cute.jit
     def _reduce_split_k(self, acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx):
         """Publish this CTA's partial and count it in; in the CTA that arrives last, replace ``acc`` with the sum
         of every split's partial, in split order (``s_last[0] == split_k - 1`` there). Only real tokens' and rows'
         partials are written and read."""
         t = self.tactic
         tile_shape = (t.block_n, t.block_t)
-        t_gp = thr_mma.partition_C(self._mma_view(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy))))
+        t_gp = thr_mma.partition_C(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy)))
         for i in cutlass.range_constexpr(cute.size(acc)):
             if self._in_bounds(t_co[i], m_tokens):
                 t_gp[i] = acc[i]
@@ -632,7 +640,7 @@ class WgmmaGemm:
             # for L2 about once per chunk, not per split; chunks bound the registers they hold. L2 loads (.cg): this
             # SM's L1 may hold a stale copy of a line another CTA wrote since.
             partials = [
-                thr_mma.partition_C(self._mma_view(cute.local_tile(m_work[None, None, s], tile_shape, (bidx, bidy))))
+                thr_mma.partition_C(cute.local_tile(m_work[None, None, s], tile_shape, (bidx, bidy)))
                 for s in range(t.split_k)
             ]
             chunk = max(1, REDUCE_REGISTERS // t.split_k)
