@@ -122,16 +122,18 @@ def test_candidates_are_valid_and_include_default(n, m):
 @pytest.mark.parametrize("n,rows", [(QKVG_TP8, 48), (QKVG_TP4, 96), (3072, 24)])
 def test_tokens_on_m_candidates_give_every_sm_a_row_block(n, rows):
     """Tokens-on-M candidates: the fewest rows per CTA that need at most one CTA per SM (128 CTAs for Kimi-K3's
-    QKVG at TP 4, 8 and 16), the deepest ring up to 12 K-tiles and one that leaves half the SM to the side chain,
-    with and without PDL; none above 128 tokens."""
+    QKVG at TP 4, 8 and 16), with PDL in the deepest ring up to 12 K-tiles (also without PDL), the deepest that
+    leaves half the SM to the side chain and the one halfway; none above 64 tokens."""
     tactics = tokens_on_m_tactics(n, K, 64)
-    assert len(tactics) == 4 and {t.block_n for t in tactics} == {rows} and rows * 128 == n
-    assert {t.pdl for t in tactics} == {True, False} and all(t.tokens_on_m and t.block_t == 64 for t in tactics)
+    assert {t.block_n for t in tactics} == {rows} and rows * 128 == n
+    assert all(t.tokens_on_m and t.block_t == 64 for t in tactics)
     deep, roomy = max(t.stages for t in tactics), min(t.stages for t in tactics)
+    assert [(t.stages, t.pdl) for t in tactics] == [(deep, True), (deep, False), ((deep + roomy) // 2, True),
+                                                    (roomy, True)]
     assert deep <= 12 and not leaves_room(dataclasses.replace(tactics[0], stages=roomy + 1))
     assert all(leaves_room(t) == (t.stages == roomy) for t in tactics)
     assert set(tactics) <= set(wgmma_candidate_tactics(n, K, 64, K))
-    assert tokens_on_m_tactics(n, K, 129) == [] and tokens_on_m_tactics(n, K, 17)[0].block_t == 24
+    assert tokens_on_m_tactics(n, K, 65) == [] and tokens_on_m_tactics(n, K, 17)[0].block_t == 24
 
 
 def test_skinny_n_is_split_to_fill_the_sms():

@@ -70,6 +70,9 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 X_BOX_TOKENS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
+# The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 30.7-37.5 us against 26.0-28.6
+# for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/autotune-tokens-on-m-tp8.txt).
+TOKENS_ON_M_CANDIDATES_UP_TO = 64
 WARPGROUP_THREADS = 128
 PRODUCER_THREADS = 32  # one warp issues the TMA loads
 SWIZZLE_ATOM_BYTES = 1024  # a 128-byte swizzle repeats every 8 rows of 128 bytes; TMA needs the ring aligned to it
@@ -276,17 +279,21 @@ def default_wgmma_tactic(n: int, k: int, m: int) -> WgmmaTactic:
 
 
 def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
-    """The ``tokens_on_m`` tactics worth timing at ``m`` tokens (none above :data:`MAX_TOKENS_ON_M` or where
-    64-element K-tiles do not divide K): :func:`tokens_on_m_rows` rows per CTA, the deepest ring one CTA per SM
-    allows (at most 12 K-tiles) and the deepest that :func:`leaves_room` for the side chain, each with and without
-    PDL."""
-    if m > MAX_TOKENS_ON_M or k % 64:
+    """The ``tokens_on_m`` tactics worth timing at ``m`` tokens (none above :data:`TOKENS_ON_M_CANDIDATES_UP_TO` or
+    where 64-element K-tiles do not divide K): :func:`tokens_on_m_rows` rows per CTA with PDL, in the deepest ring
+    one CTA per SM allows (at most 12 K-tiles; also without PDL), the deepest that :func:`leaves_room` for the side
+    chain, and the ring halfway between. Measured on H200 for Kimi-K3 TP 8 (`benchmarks/results/levers/
+    wgmma-tokens-on-m.log`, `wgmma-tokens-on-m-stage.log`): without PDL QKVG alone took 1.5-1.7 us longer at
+    M = 17..40; beside the tuned side chain the stage took 22.43 / 22.81 us at M = 24 / 32 with 10 stages against
+    24.21 / 24.54 with 8, and 25.36 us at M = 64 with 8 stages against 26.04 with 10."""
+    if m > TOKENS_ON_M_CANDIDATES_UP_TO or k % 64:
         return []
     probe = WgmmaTactic(tokens_on_m_rows(n), 64, 64, 1, tokens_on_m=True).for_tokens(m)
     deepest = min(MAX_DEFAULT_STAGES, max_stages(probe.block_n, 64, probe.block_t, 1, tokens_on_m=True))
-    roomy = (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes()
-    return [dataclasses.replace(probe, stages=stages, pdl=pdl)
-            for stages in sorted({deepest, roomy}, reverse=True) if stages >= 2 for pdl in (True, False)]
+    roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
+    rings = [stages for stages in dict.fromkeys((deepest, (deepest + roomy) // 2, roomy)) if stages >= 2]
+    tactics = [dataclasses.replace(probe, stages=stages) for stages in rings]
+    return tactics[:1] + [dataclasses.replace(tactics[0], pdl=False)] + tactics[1:] if tactics else []
 
 
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
