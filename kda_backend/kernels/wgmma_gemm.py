@@ -585,7 +585,7 @@ class WgmmaGemm:
 
     def _mma_view(self, tile: cute.Tensor) -> cute.Tensor:
         """A (rows, tokens) tile as the MMA's C sees it: itself under swap-AB, transposed with ``tokens_on_m``.
-        Every output, staging and workspace tile is kept in (rows, tokens) order; only the MMA partitions differ."""
+        The output and staging tiles keep (rows, tokens) order in both forms; only the MMA partitions differ."""
         if self.tactic.tokens_on_m:
             return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
         return tile
