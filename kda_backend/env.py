@@ -37,8 +37,8 @@ class EnvVar:
 _FLAG = "`1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case); any other value is an error."
 
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("KDA_BACKEND_DISABLE", "0", f"`1` turns the engine adapters off: nothing is injected into vLLM or SGLang. "
-           f"{_FLAG}", "flag"),
+    EnvVar("KDA_BACKEND_DISABLE", "0", "`1` turns the engine adapters off: nothing is injected into vLLM or SGLang, "
+           f"and the core is not imported. {_FLAG}", "flag"),
     EnvVar(
         "KDA_BACKEND_BLOCK_PLUGINS",
         "",

@@ -221,19 +221,23 @@ def test_sglang_cli_accepts_kda():
     ids=["sglang-filter-excludes", "kda-disabled", "default"],
 )
 def test_plugin_switches(env, expect):
+    """SGLang's plugin filter and the kill switch keep SGLang's layer and choices; switched off, the core (the
+    projection, its providers and plugins) is not even imported."""
     code = (
+        "import sys\n"
         "from sglang.srt.plugins import load_plugins\n"
         "load_plugins()\n"
+        "core = 'kda_backend.projection' in sys.modules\n"
         "import sglang.srt.models.kimi_k3 as m\n"
         "from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES\n"
-        "print(m.KimiK3DeltaAttention.__name__, 'kda' in ATTENTION_BACKEND_CHOICES)\n"
+        "print(m.KimiK3DeltaAttention.__name__, 'kda' in ATTENTION_BACKEND_CHOICES, 'core' if core else 'no-core')\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     injected = "KdaBackendKimiK3DeltaAttention True" in proc.stdout
-    plain = "KimiK3DeltaAttention False" in proc.stdout
+    plain = "KimiK3DeltaAttention False no-core" in proc.stdout
     assert (injected, plain) == (expect, not expect), proc.stdout + proc.stderr[-2000:]
 
 

@@ -258,7 +258,8 @@ from vllm.model_executor.models.registry import ModelRegistry
 wrapped = sorted(a for a, e in ModelRegistry.models.items() if type(e).__name__ == "InjectOnLoad")
 ModelRegistry.models["KimiLinearForCausalLM"].load_model_cls()  # what vLLM runs when it resolves the model
 layer = op_registry_oot.get("KimiK3DeltaAttention")
-print(json.dumps({"added": added, "wrapped": wrapped, "injected": getattr(layer, "__name__", None)}))
+core = "kda_backend.projection" in sys.modules
+print(json.dumps({"added": added, "wrapped": wrapped, "injected": getattr(layer, "__name__", None), "core": core}))
 """
 
 
@@ -273,7 +274,8 @@ print(json.dumps({"added": added, "wrapped": wrapped, "injected": getattr(layer,
 )
 def test_plugin_defers_injection_to_kimi_k3_resolution(env, expect_wrapped, expect_injected):
     """``load_general_plugins()`` imports neither vLLM's Kimi-K3 code nor the core (torch kernels, CuTe DSL): it
-    wraps the Kimi-K3 registry entries, and loading one of those classes injects (unless switched off)."""
+    wraps the Kimi-K3 registry entries, and loading one of those classes injects (unless switched off, which leaves
+    the core unimported)."""
     proc = subprocess.run([sys.executable, "-c", _PLUGIN_PROBE], capture_output=True, text=True,
                           env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -282,6 +284,7 @@ def test_plugin_defers_injection_to_kimi_k3_resolution(env, expect_wrapped, expe
     assert heavy == [], heavy
     assert result["wrapped"] == (K3_ARCHS if expect_wrapped else [])
     assert (result["injected"] == "KdaBackendKimiK3DeltaAttention") == expect_injected, proc.stderr[-2000:]
+    assert result["core"] == expect_injected
 
 
 def test_register_twice_is_harmless(injected, vllm_env):
