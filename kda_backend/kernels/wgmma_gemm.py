@@ -292,8 +292,10 @@ def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     deepest = min(MAX_DEFAULT_STAGES, max_stages(probe.block_n, 64, probe.block_t, 1, tokens_on_m=True))
     roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
     rings = [stages for stages in dict.fromkeys((deepest, (deepest + roomy) // 2, roomy)) if stages >= 2]
-    tactics = [dataclasses.replace(probe, stages=stages) for stages in rings]
-    return tactics[:1] + [dataclasses.replace(tactics[0], pdl=False)] + tactics[1:] if tactics else []
+    if not rings:
+        return []
+    deep = dataclasses.replace(probe, stages=rings[0])
+    return [deep, dataclasses.replace(deep, pdl=False), *(dataclasses.replace(probe, stages=s) for s in rings[1:])]
 
 
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
