@@ -70,8 +70,8 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 X_BOX_TOKENS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
-# The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best against
-# 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
+# The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
+# against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
 WARPGROUP_THREADS = 128
 PRODUCER_THREADS = 32  # one warp issues the TMA loads
