@@ -8,7 +8,8 @@ is served from L2) - see :mod:`kda_backend.timing`:
    kernels alone, then QKVG (both kernel families where the device runs ``wgmma``) and the side chain's again
    inside the overlapped stage (see :func:`tune_tactics`).
 2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
-   candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path.
+   candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path, in the
+   forked form the engines' decode graphs run, whatever the host answers outside them (``for_tuning``).
 
 Tuning compiles kernels and captures graphs, so it runs before the engine captures its own graphs, never inside.
 """
@@ -112,10 +113,11 @@ def step_error(weights: list[ProjectionWeights], step: Step, m: int, tactics: Ta
     """Why ``step`` must not serve ``m`` tokens, or ``None``: the stage as it is wired (its views, strides and side
     chain, beyond each kernel that :func:`tactic_error` checks), run once into output buffers poisoned with NaN
     and once allocating its outputs (the packed path, where the weights are packed), against the fp32 reference on
-    random activations (:func:`~kda_backend.accuracy.output_error` for qkvg, g1 and beta)."""
+    random activations (:func:`~kda_backend.accuracy.output_error` for qkvg, g1 and beta). It runs eagerly: QKVG,
+    then its side chain, the kernels the timed forked form runs."""
     w = weights[0]
     g = w.geometry
-    proj = KDAProjection(w, Plan(steps={m: step}, source="candidate", tactics=tactics))
+    proj = KDAProjection(w, Plan(steps={m: step}, source="candidate", tactics=tactics), for_tuning=True)
     x = torch.randn(m, g.hidden_size, device=w.device, dtype=torch.bfloat16)
     ref = reference_projection(x, w.w_qkvg, w.w_fab, w.w_fb, g)
     buffers = [torch.full((m, cols), float("nan"), device=w.device, dtype=torch.bfloat16)
@@ -393,10 +395,11 @@ def step_candidates(m: int, usable: dict[str, tuple[str, ...]]) -> list[Step]:
 
 
 def time_step(weights: list[ProjectionWeights], step: Step, m: int, tactics: TacticTable) -> float:
-    """Seconds per layer of the whole projection stage with ``step`` and CuTe ``tactics`` at ``m`` tokens."""
+    """Seconds per layer of the whole projection stage with ``step`` and CuTe ``tactics`` at ``m`` tokens (an
+    overlapped step forked inside the timing graph)."""
     device = weights[0].device
     plan = Plan(steps={m: step}, source="candidate", tactics=tactics)
-    projs = [KDAProjection(w, plan) for w in weights]
+    projs = [KDAProjection(w, plan, for_tuning=True) for w in weights]
     for p in projs:
         p.prepare([m])
     g = weights[0].geometry

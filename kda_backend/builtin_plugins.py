@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kda_backend.hookspecs import hookimpl
+from kda_backend.overlap import fork_while_capturing
 from kda_backend.providers.base import GemmProvider
 from kda_backend.providers.cute_provider import CuteDslProvider
 from kda_backend.providers.flashinfer_provider import FlashInferProvider
@@ -41,7 +42,7 @@ class DefaultHost:
 
     @hookimpl(trylast=True)
     def kda_host_fork_allowed(self, device: torch.device) -> bool:
-        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return fork_while_capturing(device)
 
     @hookimpl(trylast=True)
     def kda_host_aux_stream(self, device: torch.device) -> torch.cuda.Stream:

@@ -12,6 +12,12 @@ from collections.abc import Callable
 import torch
 
 
+def fork_while_capturing(device: torch.device) -> bool:
+    """The fork rule of a full CUDA graph: fork exactly while the current stream of a CUDA ``device`` is being
+    captured (the built-in host's answer, and the autotuner's for its own graphs)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class OverlapScheduler:
     """One per layer: owns its fork/join events (created once, on first use)."""
 

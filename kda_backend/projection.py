@@ -20,6 +20,7 @@ import torch
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import info_once
+from kda_backend.overlap import fork_while_capturing
 from kda_backend.plan import AUTO, Plan
 from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, StageLauncher, TrailingLauncher
 from kda_backend.stages import Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
@@ -35,12 +36,23 @@ class KDAProjection:
     :param plan: per-M choices; the default plan is sequential with automatic providers.
     :param aux_stream: the stream the side chain forks onto (e.g. the engine's per-model aux stream); ``None``
         asks the host through the ``kda_host_aux_stream`` hook.
+    :param for_tuning: a candidate the autotuner times inside its own CUDA graphs. Its overlapped steps fork exactly
+        while a graph is being captured, whatever the host would answer: tuning measures the forked form, which
+        the engines' decode graphs run (SGLang, for one, allows the fork only in its capture mode, and tuning at
+        load is not in it). No forms for calls without a fork are built (the side chain trailing QKVG's launch,
+        the whole stage in one launch): only eager and piecewise serving runs them, each compiles kernels of its
+        own, and each checks itself against the separate launches on first use.
     """
 
     def __init__(
-        self, weights: ProjectionWeights, plan: Plan | None = None, aux_stream: torch.cuda.Stream | None = None
+        self,
+        weights: ProjectionWeights,
+        plan: Plan | None = None,
+        aux_stream: torch.cuda.Stream | None = None,
+        for_tuning: bool = False,
     ) -> None:
         self.weights = weights
+        self.for_tuning = for_tuning
         self._hidden, self._dtype, self._device = weights.geometry.hidden_size, weights.dtype, weights.device
         self.plan = plan or Plan()
         self.aux_stream = aux_stream
@@ -203,9 +215,10 @@ class KDAProjection:
             step = self.plan.step(m)
             gemms = {role: self._gemm(role, m, self.gemm_call(role, m)) for role in ROLES}
             if step.overlap:
-                trailing, trail, whole = self._trailing(m, gemms)
+                trailing, trail, whole = (None, None, None) if self.for_tuning else self._trailing(m, gemms)
                 stage: SequentialStage = OverlappedStage(
-                    **gemms, trailing=trailing, trail=trail, whole=whole, aux_stream=self.aux_stream
+                    **gemms, trailing=trailing, trail=trail, whole=whole, aux_stream=self.aux_stream,
+                    fork_allowed=fork_while_capturing if self.for_tuning else None,
                 )
             else:
                 stage = SequentialStage(**gemms)

@@ -18,6 +18,7 @@ drop that provider and rebuild the stage.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -100,12 +101,15 @@ class OverlappedStage(SequentialStage):
         eager call costs the host more than the GPU at small M, and each launch is host time; inside a capture
         the stage keeps the trailing form, whose GPU time is the tuned one.
     :param aux_stream: the fork's stream (``None``: ask the host on the first fork).
+    :param fork_allowed: who answers whether this call may fork (``None``: the host, through
+        ``kda_host_fork_allowed``).
     """
 
     trailing: GemmProvider | None = None
     trail: TrailingLauncher | None = None
     whole: StageLauncher | None = None
     aux_stream: torch.cuda.Stream | None = None
+    fork_allowed: Callable[[torch.device], bool] | None = None
     scheduler: OverlapScheduler = dataclasses.field(default_factory=OverlapScheduler)
     mode = "overlap"
 
@@ -138,7 +142,7 @@ class OverlappedStage(SequentialStage):
 
     def _fork_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The aux stream when the host allows a fork now, else ``None``."""
-        if not hooks.fork_allowed(device):
+        if not (hooks.fork_allowed(device) if self.fork_allowed is None else self.fork_allowed(device)):
             return None
         if self.aux_stream is None:
             self.aux_stream = hooks.aux_stream(device)

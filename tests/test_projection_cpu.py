@@ -353,6 +353,51 @@ def test_eager_call_launches_the_whole_stage_and_a_capture_trails_the_side_chain
     assert provider.calls == ["qkvg", "fab"]
 
 
+class _NeverForks:
+    """A host that never allows the fork outside its own capture (SGLang outside its capture mode)."""
+
+    @hookimpl
+    def kda_host_fork_allowed(self, device):
+        return False
+
+
+@pytest.mark.parametrize("for_tuning", [False, True], ids=["serving", "tuning"])
+def test_a_tuning_candidate_forks_while_capturing_whatever_the_host_says(monkeypatch, for_tuning):
+    """The autotuner times its candidates inside its own graphs in the forked form the engines' decode graphs run:
+    a ``for_tuning`` projection forks exactly while a capture is open, even where the host (here one that never
+    forks) would not, and builds no form for calls without a fork, so eager calls run its GEMMs one after another.
+    A serving projection keeps asking the host, and trails its side chain where the host says no."""
+    from kda_backend.overlap import OverlapScheduler
+
+    provider = _WholeStage()
+    register_plugin(_Plugin(provider), provider.name)
+    register_plugin(_NeverForks(), "never-forks")
+    aux = object()
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True)), aux_stream=aux, for_tuning=for_tuning)
+    x = torch.randn(4, TINY.hidden_size).bfloat16()
+    _check_against_reference(proj, x)  # eager, no capture open
+    assert provider.calls == (["qkvg", "fab", "fb"] if for_tuning else ["whole"])
+    assert (proj.stage(4).trailing is None) == for_tuning and (proj.stage(4).whole is None) == for_tuning
+
+    forks = []
+
+    def fork(self, main, side, aux_stream):
+        forks.append(aux_stream)
+        main()
+        side()
+
+    monkeypatch.setattr(OverlapScheduler, "run", fork)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: object())
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    provider.calls.clear()
+    proj.stage(4).run(x, proj.weights, *(torch.empty(4, c).bfloat16() for c in (TINY.qkvg_rows, TINY.fab_rows,
+                                                                                   TINY.local_width)))
+    assert forks == ([aux] if for_tuning else [])
+    assert provider.calls == (["qkvg", "fab", "fb"] if for_tuning else ["qkvg", "trailing"])
+
+
 def test_failing_whole_stage_falls_back_with_one_warning(kda_log):
     """A one-launch stage that raises marks its provider broken (one warning); the call is computed again without
     it."""
@@ -429,3 +474,22 @@ def test_autotuner_never_times_or_keeps_a_step_that_computes_wrongly(monkeypatch
     assert timed and not any("doubling" in (s.qkvg, s.fab, s.fb) for s in timed)
     assert all("doubling" not in (plan.step(m).qkvg, plan.step(m).fab) for m in (2, 5))
     assert any(line.startswith("M=2 seq:doubling/doubling dropped: qkvg: relative error") for line in lines)
+
+
+def test_autotuner_checks_and_times_its_candidates_as_tuning_projections(monkeypatch):
+    """Every projection the autotuner builds to check or time a step is a ``for_tuning`` one (forked by the capture
+    alone, see above), so a host's answer outside its own captures never decides the form that is timed."""
+    from kda_backend import autotune
+
+    made, real = [], autotune.KDAProjection
+
+    def projection(*args, **kwargs):
+        made.append(kwargs.get("for_tuning", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(autotune, "KDAProjection", projection)
+    monkeypatch.setattr(autotune, "graph_time_per_layer", lambda layer, layers: (layer(0), 1e-6)[1])
+    weights = [_weights(TINY, seed=seed) for seed in (0, 1)]
+    assert autotune.step_error(weights, Step(overlap=True), 4, {}) is None
+    assert autotune.time_step(weights, Step(overlap=True), 4, {}) == 1e-6
+    assert made == [True] * 3
