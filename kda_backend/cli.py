@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +91,21 @@ def _autotune(args: argparse.Namespace) -> int:
     plan_store.check_writable()  # before minutes of tuning whose result could not be stored
     device = torch.device("cuda", torch.cuda.current_device())
     ms = args.ms or engine_batch_sizes(args.engine, args.max_m)
-    plan = planning.share(autotune.autotune(geometry, device, ms, progress=print))
+    plan = planning.share(autotune.autotune(geometry, device, ms, progress=_elapsed_printer()))
     path = plan_store.save(plan_store.device_key(geometry, device, torch.bfloat16), plan)
     print(plan.describe())
     print(f"plan stored in {path}")
     return 0
+
+
+def _elapsed_printer():
+    """``print`` for progress lines, each after the seconds since this call (where tuning spends its minutes)."""
+    start = time.monotonic()
+
+    def progress(line: str) -> None:
+        print(f"[{time.monotonic() - start:6.1f} s] {line}", flush=True)
+
+    return progress
 
 
 def _bench(args: argparse.Namespace) -> int:

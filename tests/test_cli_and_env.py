@@ -206,3 +206,30 @@ def test_autotune_takes_an_engine(monkeypatch):
     assert args.engine == "sglang" and args.max_m == 64 and args.ms is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["autotune", "--engine", "trt"])
+
+
+def test_autotune_prints_each_progress_line_after_the_seconds_so_far(tmp_path, monkeypatch, capsys):
+    """On a GPU (faked: the tuner reports two lines and answers a one-step plan), every progress line starts with
+    the seconds since tuning began, then the plan and where it was stored."""
+    import torch
+
+    from kda_backend import autotune
+    from kda_backend.plan import Plan, Step
+
+    def tune(geometry, device, ms, progress):
+        progress("tactic fab t1: n16k128t16s3x14p")
+        progress("M=1: ovl:cute/cute 21.56 us")
+        return Plan(steps={1: Step(overlap=True)}, source="autotune")
+
+    monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(autotune, "autotune", tune)
+    assert main(["autotune", "--tp", "8", "--ms", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.sub(r"^\[ *\d+\.\d s\] ", "", line) for line in lines[:2]] == [
+        "tactic fab t1: n16k128t16s3x14p", "M=1: ovl:cute/cute 21.56 us"]
+    assert all(re.match(r"^\[ *\d+\.\d s\] ", line) for line in lines[:2])
+    assert lines[-1].startswith(f"plan stored in {tmp_path}")
