@@ -103,3 +103,30 @@ def test_timeline_patch_compiles_for_sm90a(tools_on_path, monkeypatch):
     for tactic, n, k, x_row_stride in ((fab, g.fab_rows, g.hidden_size, g.hidden_size),
                                        (fb, g.local_width, g.head_dim, g.fab_rows)):
         assert compile_timed(module, module.Tactic(**vars(tactic)), n, k, x_row_stride, arch="sm_90a") is not None
+
+
+def test_qkvg_tactics_checks_the_side_chain_it_times(tools_on_path):
+    """The side chain's outputs are poisoned, computed once and compared with fp32: a right one reads ok, one
+    that leaves g1 unwritten or gets F_A/beta wrong is named."""
+    from types import SimpleNamespace
+
+    from qkvg_tactics import side_chain_errors
+
+    from kda_backend.geometry import KDAGeometry
+    from kda_backend.reference import KDALayerWeights
+    from kda_backend.weights import ProjectionWeights
+
+    g = KDAGeometry(hidden_size=64, num_heads=4, head_dim=16, tp_size=1)
+    layer = KDALayerWeights.random(g, torch.Generator().manual_seed(0))
+    w = ProjectionWeights.from_split(layer.w_qkvg, layer.w_fab, layer.w_fb, g)
+    ops = SimpleNamespace(xs=[torch.randn(3, g.hidden_size).bfloat16()], fab=[torch.empty(3, g.fab_rows).bfloat16()],
+                          g1=[torch.empty(3, g.local_width).bfloat16()], head_dim=g.head_dim)
+
+    def side(i, scale=1, fb=True):
+        torch.mm(ops.xs[i], w.w_fab.t(), out=ops.fab[i]).mul_(scale)
+        if fb:
+            torch.mm(ops.fab[i][:, : g.head_dim], w.w_fb.t(), out=ops.g1[i])
+
+    assert side_chain_errors(ops, w, side) == "fab ok, g1 ok"
+    assert side_chain_errors(ops, w, lambda i: side(i, fb=False)) == "fab ok, g1 NaN in its output"
+    assert side_chain_errors(ops, w, lambda i: side(i, scale=2)).startswith("fab relative error")

@@ -3,9 +3,10 @@
 For each M and each QKVG tactic (the default first), prints the tactic's shared memory, its relative error against
 fp32 (output poisoned with NaN first), QKVG alone in us per layer and as a multiple of its own HBM floor (QKVG
 weight bytes / copy bandwidth measured in the same process), and the overlapped stage: QKVG on the main stream,
-F_A/beta -> F_B forked onto an aux stream, with the excess over QKVG alone. Times are medians of 50 replays of a
-CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool behind most lever measurements in
-benchmarks/RESULTS.md: run it once per build, builds alternated.
+F_A/beta -> F_B forked onto an aux stream, with the excess over QKVG alone. Per M a line first names the side
+chain's tactics and checks its outputs the same way (either tactic may be of either kernel family). Times are
+medians of 50 replays of a CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool behind
+most lever measurements in benchmarks/RESULTS.md: run it once per build, builds alternated.
 
 Example (GPU): python benchmarks/tools/qkvg_tactics.py 1,8,16 n48k256s4p,n64k256s4p n16k128s3x14p n16k128s3pL
 """
@@ -24,7 +25,9 @@ from stage_operands import (
     token_counts,
 )
 
+from kda_backend.accuracy import output_error
 from kda_backend.timing import copy_bandwidth, graph_time_per_layer
+from kda_backend.weights import ProjectionWeights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
             ops.fab_gemm(t_fab, i)
             ops.fb_gemm(t_fb, i)
 
+        print(f"M={m:2} side chain {t_fab.key()} / {t_fb.key()}: {side_chain_errors(ops, weights[0], side)}",
+              flush=True)
+
         tactics = [tactic_or_default(None, "qkvg", g, m)]
         tactics += [parse_tactic(spec, m) for spec in args.qkvg.split(",")]
         for t_qkvg in tactics:
@@ -69,6 +75,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"M={m:2} {t_qkvg.key():20} smem {t_qkvg.smem_bytes() // 1024:3} KB rel.err {err:.1e} "
                   f"alone {alone:6.2f} us ({alone / qkvg_floor:.3f}x) stage {stage:6.2f} us (+{stage - alone:4.2f})",
                   flush=True)
+
+
+def side_chain_errors(ops: StageOperands, w: ProjectionWeights, side) -> str:
+    """F_A/beta's and F_B's relative errors against fp32 for the first weight copy, outputs poisoned with NaN
+    before the side chain runs (F_B's reference takes F_A/beta's bf16 output, as the kernel does)."""
+    fab, g1 = ops.fab[0], ops.g1[0]
+    fab.fill_(float("nan"))
+    g1.fill_(float("nan"))
+    side(0)
+    x, d = ops.xs[0].float(), ops.head_dim
+    errors = []
+    for name, out, ref in (("fab", fab, x @ w.w_fab.float().t()), ("g1", g1, fab[:, :d].float() @ w.w_fb.float().t())):
+        reason = output_error(out, ref)
+        errors.append(f"{name} {'ok' if reason is None else reason}")
+    return ", ".join(errors)
 
 
 if __name__ == "__main__":
