@@ -141,7 +141,7 @@ class OverlappedStage(SequentialStage):
         run_side_chain(self.fab, self.fb, x, w, fab, g1)
 
     def _fork_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The aux stream when the host allows a fork now, else ``None``."""
+        """The aux stream when a fork is allowed now (by :attr:`fork_allowed`, else by the host), else ``None``."""
         if not (hooks.fork_allowed(device) if self.fork_allowed is None else self.fork_allowed(device)):
             return None
         if self.aux_stream is None:
