@@ -15,7 +15,6 @@ An untuned QKVG call gets the ``wgmma`` default from 33 to 64 tokens; above 64 o
 
 from __future__ import annotations
 
-
 from kda_backend.kernels.skinny_gemm import Tactic, default_tactic, validate_tactic
 from kda_backend.kernels.wgmma_gemm import (
     WgmmaTactic,
