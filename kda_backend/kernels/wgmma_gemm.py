@@ -31,8 +31,8 @@ the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs str
 
 Shapes N, K and the row strides are compile-time constants; M is a runtime value up to ``block_t * grid_y``. The
 kernel takes :class:`~kda_backend.kernels.skinny_gemm.SkinnyGemm`'s call signature, so the compile cache and the
-provider launch either; it takes no part in the single-stream side chain
-(:class:`~kda_backend.kernels.skinny_gemm.Link`).
+provider launch either. In the single-stream side chain (:class:`~kda_backend.kernels.skinny_gemm.Link`) it can be
+F_A/beta, the launch behind QKVG (``x_ready``, ``signals``), never the waiting F_B.
 """
 
 from __future__ import annotations
@@ -325,8 +325,8 @@ class WgmmaGemm:
     def __init__(
         self, tactic: WgmmaTactic, n: int, k: int, x_row_stride: int, w_row_stride: int, link: Link = NO_LINK
     ) -> None:
-        if link != NO_LINK:
-            raise ValueError(f"the wgmma kernel takes no part in the single-stream side chain, got {link}")
+        if link.waits:
+            raise ValueError(f"the wgmma kernel never waits on the side chain's counters, got {link}")
         reason = validate_wgmma_tactic(tactic, n, k, x_row_stride)
         if reason is not None:
             raise ValueError(reason)
@@ -341,7 +341,8 @@ class WgmmaGemm:
         """At compile time: the split-K operands are given exactly where the tactic splits, and no chain operands
         (a ``None`` compiles as a constant, so a stray operand would be ignored silently)."""
         t = self.tactic
-        used = {"m_work": t.uses_workspace, "m_arrivals": t.uses_workspace, "m_chain": False, "expected": False}
+        used = {"m_work": t.uses_workspace, "m_arrivals": t.uses_workspace, "m_chain": self.link.signals,
+                "expected": False}
         check_optional_operands(f"tactic {t.key()}", used, operands)
         unused = [name for name, value in operands.items() if not used[name] and value is not None]
         if unused:
@@ -362,8 +363,9 @@ class WgmmaGemm:
         """``out = x @ w.T``: ``m_x`` (M, K), ``m_w`` (N, K), ``m_out`` (M, N) contiguous, all bf16. With split-K,
         ``m_work`` the fp32 workspace of :meth:`WgmmaTactic.workspace_shape`, contiguous, and
         ``m_arrivals`` int32 arrival counters (one per output tile, :func:`wgmma_output_tiles`), zero on entry and
-        left zero on exit; else both ``None``. ``m_chain`` and ``expected`` are always ``None`` (no side-chain
-        role), kept for :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
+        left zero on exit; else both ``None``. ``m_chain``: the stream's int32 chain counters where the link
+        signals, else ``None``; ``expected`` always ``None`` (the kernel never waits on the chain), kept for
+        :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
         self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
         t = self.tactic
         dtype = m_w.element_type
@@ -400,7 +402,7 @@ class WgmmaGemm:
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
         grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         self.kernel(
-            w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
+            w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, m_chain, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
         ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
@@ -414,6 +416,7 @@ class WgmmaGemm:
         m_out_t: cute.Tensor,
         m_work: cute.Tensor | None,
         m_arrivals: cute.Tensor | None,
+        m_chain: cute.Tensor | None,
         s_w_layout: cute.ComposedLayout,
         s_x_layout: cute.ComposedLayout,
         s_x_box_layout: cute.ComposedLayout,
@@ -421,8 +424,8 @@ class WgmmaGemm:
     ):
         """``w_tma`` / ``w_src`` and ``x_tma`` / ``x_src``: the TMA atoms and their coordinate tensors over w (N, K)
         and x (M, K); ``m_out_t`` (N, M): out transposed; ``m_work`` (N, M, split_k): the split-K workspace, or
-        ``None`` as ``m_arrivals``; ``s_x_box_layout``: the activation ring as the TMA boxes fill it (``s_x_layout``
-        itself under swap-AB). Warps
+        ``None`` as ``m_arrivals``; ``m_chain``: the chain counters where the link signals, else ``None``;
+        ``s_x_box_layout``: the activation ring as the TMA boxes fill it (``s_x_layout`` itself under swap-AB). Warps
         ``0 .. 4 * consumer_warpgroups - 1`` consume, the last one produces."""
         t = self.tactic
         tidx, _, _ = cute.arch.thread_idx()
@@ -453,11 +456,11 @@ class WgmmaGemm:
         )
 
         self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
-                           m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
+                           m_arrivals, m_chain, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
 
     @cute.jit
     def _tile_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
-                      m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz):
+                      m_arrivals, m_chain, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz):
         """One output tile (row block ``bidx``, token tile ``bidy``) and K-split ``bidz`` per CTA."""
         t = self.tactic
         m_tokens = m_out_t.shape[1]
@@ -484,8 +487,12 @@ class WgmmaGemm:
                 # Only the CTA that arrived last holds the full sum; the others are done.
                 if s_last[0] == t.split_k - 1:
                     self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+                    if cutlass.const_expr(self.link.signals):
+                        self._signal(m_chain, tidx)
             else:
                 self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
+                if cutlass.const_expr(self.link.signals):
+                    self._signal(m_chain, tidx)
 
     def _tma_views(self, w_tma, w_src, x_tma, x_src, s_w, s_x_box, row_block, token_tile):
         """The TMA partitions ``(t_sw, t_gw, t_sx, t_gx)`` of the weight and activation tiles: the shared ring's
@@ -524,7 +531,10 @@ class WgmmaGemm:
             cute.copy(w_tma, t_gw[None, k_first + s], t_sw[None, s], tma_bar_ptr=mainloop.producer_get_barrier(state),
                       cache_policy=w_policy)
             state.advance()
-        if cutlass.const_expr(t.pdl):
+        if cutlass.const_expr(self.link.x_ready and t.pdl):
+            # Launched behind QKVG's wait for x: x is complete, and the next launch (F_B) may start at once.
+            cute.arch.griddepcontrol_launch_dependents()
+        elif cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
             # The CTA releases the next kernel here, once x is complete: its weight prologue overlaps our tail.
             cute.arch.griddepcontrol_launch_dependents()
@@ -537,6 +547,9 @@ class WgmmaGemm:
             cute.copy(w_tma, t_gw[None, k_first + k], t_sw[None, state.index], tma_bar_ptr=bar, cache_policy=w_policy)
             self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
+        if cutlass.const_expr(self.link.x_ready and t.pdl):
+            # Never complete before the launch before this one (QKVG): kernels after the side chain wait for it.
+            cute.arch.griddepcontrol_wait()
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
@@ -591,6 +604,14 @@ class WgmmaGemm:
         if self.tactic.tokens_on_m:
             return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
         return tile
+
+    @cute.jit
+    def _signal(self, m_chain, tidx):
+        """Count this CTA's stored tile in on ``chain[0]``; release: the whole tile is visible device-wide first."""
+        cute.arch.fence_acq_rel_gpu()
+        self._consumers_sync()
+        if tidx == 0:
+            cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
 
     def _consumers_sync(self) -> None:
         """Barrier of the consumer warpgroups only (the producer warp may have exited)."""
