@@ -144,9 +144,11 @@ def test_skinny_n_is_split_to_fill_the_sms():
     assert default_wgmma_tactic(QKVG_TP8, K, 17).split_k == default_wgmma_tactic(QKVG_TP4, K, 64).split_k == 1
 
 
-def test_side_chain_links_are_refused():
-    with pytest.raises(ValueError, match="side chain"):
-        WgmmaGemm(WgmmaTactic(), QKVG_TP8, K, K, K, Link(signals=True, x_ready=True))
+def test_the_kernel_never_waits_on_the_side_chain():
+    """It can be F_A/beta behind QKVG on one stream (x_ready, signals), never F_B, which waits for those tiles."""
+    with pytest.raises(ValueError, match="never waits"):
+        WgmmaGemm(WgmmaTactic(), QKVG_TP8, K, K, K, Link(waits=True))
+    WgmmaGemm(WgmmaTactic(40, 64, 64, 12, tokens_on_m=True), FAB, K, K, K, Link(signals=True, x_ready=True))
 
 
 def test_compile_cache_covers_the_kernel_source():
@@ -178,6 +180,14 @@ def test_compiles_for_sm90a_on_cpu(tactic, n, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     assert validate_wgmma_tactic(tactic, n, K, K) is None
     assert compile_gemm(KernelKey(tactic, n, K, K, K, "sm_90a")) is not None
+
+
+@pytest.mark.parametrize("tactic", [WgmmaTactic(40, 64, 64, 12, tokens_on_m=True),
+                                    WgmmaTactic(64, 64, 32, 6, split_k=14)], ids=lambda t: t.key())
+def test_compiles_as_f_a_beta_trailing_qkvg_for_sm90a_on_cpu(tactic, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    link = Link(signals=True, x_ready=True)
+    assert compile_gemm(KernelKey(tactic, FAB, K, K, K, "sm_90a", link)) is not None
 
 
 def _gpu_tactics(m):
