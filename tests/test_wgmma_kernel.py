@@ -33,6 +33,20 @@ def test_key_names_every_field():
     assert WgmmaTactic(128, 64, 32, 6, split_k=2).key() == "w128k64t32s6x2p"
     assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
     assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True).key() == "w48k64t128s8mp"
+    assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True, cluster=2).key() == "w48k64t128s8mc2p"
+
+
+def test_clusters_share_activations_only_with_tokens_on_m_and_whole_clusters():
+    """A cluster runs along the row blocks (grid x), so it must divide them; swap-AB and side-chain links take
+    none."""
+    tactic = WgmmaTactic(48, 64, 128, 8, tokens_on_m=True, cluster=4)
+    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None  # 128 row blocks
+    assert "cluster=4 must be one of (1, 2, 4) dividing the 3 row blocks" in validate_wgmma_tactic(tactic, 136, K, K)
+    assert "must be one of" in validate_wgmma_tactic(dataclasses.replace(tactic, cluster=3), QKVG_TP8, K, K)
+    assert "only tokens_on_m" in validate_wgmma_tactic(WgmmaTactic(64, 64, 64, 8, cluster=2), QKVG_TP8, K, K)
+    assert tactic.smem_bytes() == dataclasses.replace(tactic, cluster=1).smem_bytes()
+    with pytest.raises(ValueError, match="clusters only outside the single-stream side chain"):
+        WgmmaGemm(dataclasses.replace(tactic, block_n=40), 160, K, K, K, Link(signals=True, x_ready=True))
 
 
 def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
@@ -172,6 +186,8 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 64, 10, tokens_on_m=True), QKVG_TP8),
     (WgmmaTactic(96, 64, 104, 6, tokens_on_m=True, pdl=False), QKVG_TP4),
     (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True), 136),
+    (WgmmaTactic(48, 64, 72, 10, tokens_on_m=True, cluster=2), QKVG_TP8),
+    (WgmmaTactic(48, 64, 128, 8, tokens_on_m=True, cluster=4), QKVG_TP8),
 ]
 
 
@@ -255,8 +271,21 @@ def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [2, 4], ids=lambda c: f"c{c}")
+@pytest.mark.parametrize("m", [17, 20, 64, 72, 100, 128], ids=lambda m: f"M{m}")
+def test_clusters_sharing_activations_match_reference(m, cluster):
+    """Each CTA of a cluster loads every cluster-th 8-token box and multicasts it: token boxes that the cluster does
+    not divide (M = 17, 20, 72, 100: 3, 3, 9, 13 boxes), ranks with no box at all (3 boxes in 4 CTAs), rows past N
+    (152 rows in four 40-row blocks) and tiles smaller than M (two token tiles)."""
+    _check(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True, cluster=cluster).for_tokens(m), m, QKVG_TP8, seed=m)
+    _check(WgmmaTactic(40, 64, 64, 6, tokens_on_m=True, cluster=cluster, pdl=False).for_tokens(m), m, 152, seed=m)
+    _check(WgmmaTactic(96, 64, 8 * (m // 16) or 8, 6, tokens_on_m=True, cluster=cluster), m, QKVG_TP4, seed=m)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
-                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True)],
+                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True),
+                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True, cluster=2)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""

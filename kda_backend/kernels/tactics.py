@@ -20,6 +20,7 @@ from kda_backend.kernels.skinny_gemm import Link, Tactic, default_tactic, valida
 from kda_backend.kernels.wgmma_gemm import (
     WgmmaTactic,
     default_wgmma_tactic,
+    validate_wgmma_link,
     validate_wgmma_tactic,
 )
 
@@ -82,7 +83,7 @@ def validate_any_link(link: Link, tactic: AnyTactic) -> str | None:
     """``None`` if ``tactic`` (either family) can take part in the overlap on one stream as ``link`` says, else why
     not: the wgmma kernel can be the launch behind QKVG (F_A/beta), never the one that waits (F_B)."""
     if isinstance(tactic, WgmmaTactic):
-        return f"the wgmma kernel ({tactic.key()}) never waits on the side chain's counters" if link.waits else None
+        return validate_wgmma_link(link, tactic)
     return validate_link(link, tactic)
 
 

@@ -70,6 +70,7 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 X_BOX_TOKENS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
+CLUSTER_SIZES = (1, 2, 4)  # tokens_on_m CTAs sharing activation tiles by multicast (portable cluster sizes)
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -108,6 +109,10 @@ class WgmmaTactic:
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
+    :param cluster: with ``tokens_on_m``, CTAs of neighbouring row blocks launched as one thread-block cluster that
+        share every activation tile: each loads its share of the tile's 8-token boxes by TMA multicast into every
+        CTA of the cluster, so L2 serves each activation byte once per cluster, not once per CTA. A slot is refilled
+        once the consumers of every CTA of the cluster freed it.
     """
 
     family: ClassVar[str] = "wgmma"
@@ -119,6 +124,7 @@ class WgmmaTactic:
     split_k: int = 1
     tokens_on_m: bool = False
     pdl: bool = True
+    cluster: int = 1
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -178,7 +184,7 @@ class WgmmaTactic:
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
-        order = "m" if self.tokens_on_m else ""
+        order = ("m" if self.tokens_on_m else "") + (f"c{self.cluster}" if self.cluster > 1 else "")
         return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
 
     def for_tokens(self, m: int) -> WgmmaTactic:
@@ -202,6 +208,11 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
+        if t.cluster not in CLUSTER_SIZES or row_blocks(n, t.block_n) % t.cluster:
+            return (f"cluster={t.cluster} must be one of {CLUSTER_SIZES} dividing the {row_blocks(n, t.block_n)} "
+                    f"row blocks of block_n={t.block_n}")
+    elif t.cluster != 1:
+        return f"cluster={t.cluster}: only tokens_on_m CTAs share activation tiles (swap-AB runs cluster=1)"
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
@@ -219,6 +230,16 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         return f"needs {t.smem_bytes()} B of shared memory > {MAX_SMEM_BYTES}"
     if x_row_stride % ELEMS_PER_COPY:
         return f"x row stride {x_row_stride} must be a multiple of {ELEMS_PER_COPY} elements (16 bytes, TMA)"
+    return None
+
+
+def validate_wgmma_link(link: Link, tactic: WgmmaTactic) -> str | None:
+    """``None`` if ``tactic`` can take part in the overlap on one stream as ``link`` says, else why not: the kernel
+    can be the launch behind QKVG (F_A/beta), never the one that waits (F_B), and only without a cluster."""
+    if link.waits:
+        return f"the wgmma kernel ({tactic.key()}) never waits on the side chain's counters"
+    if link != NO_LINK and tactic.cluster > 1:
+        return f"the wgmma kernel ({tactic.key()}) runs in clusters only outside the single-stream side chain"
     return None
 
 
@@ -325,9 +346,7 @@ class WgmmaGemm:
     def __init__(
         self, tactic: WgmmaTactic, n: int, k: int, x_row_stride: int, w_row_stride: int, link: Link = NO_LINK
     ) -> None:
-        if link.waits:
-            raise ValueError(f"the wgmma kernel never waits on the side chain's counters, got {link}")
-        reason = validate_wgmma_tactic(tactic, n, k, x_row_stride)
+        reason = validate_wgmma_link(link, tactic) or validate_wgmma_tactic(tactic, n, k, x_row_stride)
         if reason is not None:
             raise ValueError(reason)
         if w_row_stride % ELEMS_PER_COPY:
@@ -395,7 +414,9 @@ class WgmmaGemm:
         w_tma, w_src = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
         )
-        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
+        # In a cluster each box is one multicast to every CTA of it (the atom itself does not split the box).
+        x_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if t.cluster > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        x_tma, x_src = cpasync.make_tiled_tma_atom(x_op, m_x, s_x_box_layout, x_box)
         # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k).
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
         if cutlass.const_expr(m_work is not None):
@@ -404,7 +425,8 @@ class WgmmaGemm:
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, m_chain, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=[t.cluster, 1, 1] if t.cluster > 1 else None,
+                 smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -445,14 +467,19 @@ class WgmmaGemm:
         s_x_box = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_box_layout.inner, dtype=dtype),
                                    s_x_box_layout.outer)
 
-        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane).
+        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane); in a
+        # cluster lane r of every consumer warp arrives on CTA r's barrier, so a slot is free once the consumers of
+        # every CTA the producer multicasts into have freed it. The cluster runs along the rows, which are the MMA's
+        # N with tokens_on_m: its CTAs share the A operand (multicast mode m). create() syncs the cluster after
+        # initialising the barriers, before any multicast can land.
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster * t.consumer_threads // 32),
             tx_count=t.stage_bytes(),
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, t.cluster, 1)),
+            mcast_mode_mn=(1, 0) if t.cluster > 1 else (1, 1),
         )
 
         self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
@@ -470,7 +497,7 @@ class WgmmaGemm:
         t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w, s_x_box, bidx, bidy)
 
         if warp == t.consumer_threads // 32:
-            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidy, k_first, k_tiles)
+            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_first, k_tiles)
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
@@ -514,10 +541,11 @@ class WgmmaGemm:
         return t_sw, t_gw, t_sx, t_gx
 
     @cute.jit
-    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, token_tile, k_first,
+    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, row_block, token_tile, k_first,
                  k_tiles: cutlass.Constexpr[int]):
-        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it.
-        The TMA copies elect their issuing lane themselves; the whole warp runs this."""
+        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it
+        (in a cluster: the consumers of every CTA of it). The TMA copies elect their issuing lane themselves; the
+        whole warp runs this."""
         t = self.tactic
         cpasync.prefetch_descriptor(w_tma)
         cpasync.prefetch_descriptor(x_tma)
@@ -539,25 +567,39 @@ class WgmmaGemm:
             # The CTA releases the next kernel here, once x is complete: its weight prologue overlaps our tail.
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(prologue):
-            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + s, s, mainloop.sync_object_full.get_barrier(s),
-                         x_policy)
+            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k_first + s, s,
+                         mainloop.sync_object_full.get_barrier(s), x_policy)
         for k in cutlass.range(prologue, k_tiles, unroll=1):
             mainloop.producer_acquire(state)
             bar = mainloop.producer_get_barrier(state)
             cute.copy(w_tma, t_gw[None, k_first + k], t_sw[None, state.index], tma_bar_ptr=bar, cache_policy=w_policy)
-            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
+            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
         if cutlass.const_expr(self.link.x_ready and t.pdl):
             # Never complete before the launch before this one (QKVG): kernels after the side chain wait for it.
             cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(t.cluster > 1):
+            # The CTA stays until the cluster's consumers freed its last slots: they arrive on its barriers remotely.
+            mainloop.producer_tail(state)
 
-    def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
+    @cute.jit
+    def _load_x(self, x_tma, t_gx, t_sx, row_block, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
-        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
+        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded). In a cluster
+        the CTA of rank r loads boxes r, r + cluster, ..., each multicast into every CTA of the cluster."""
         t = self.tactic
-        if t.tokens_on_m:  # traced once per box: a static loop
+        if cutlass.const_expr(t.tokens_on_m and t.cluster > 1):
             boxes, per_slot = t.block_t // X_BOX_TOKENS, t.mma_tokens // X_BOX_TOKENS
-            for j in range(boxes):
+            everyone = cutlass.Int16((1 << t.cluster) - 1)
+            rank = row_block % t.cluster  # the cluster runs along the row blocks (grid x)
+            for i in cutlass.range_constexpr(-(-boxes // t.cluster)):
+                j = rank + i * t.cluster
+                if j < boxes:  # false only in the last round where the cluster does not divide the boxes
+                    cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * per_slot + j],
+                              tma_bar_ptr=bar, mcast_mask=everyone, cache_policy=policy)
+        elif cutlass.const_expr(t.tokens_on_m):
+            boxes, per_slot = t.block_t // X_BOX_TOKENS, t.mma_tokens // X_BOX_TOKENS
+            for j in cutlass.range_constexpr(boxes):
                 cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * per_slot + j],
                           tma_bar_ptr=bar, cache_policy=policy)
         else:
@@ -587,6 +629,8 @@ class WgmmaGemm:
             mainloop.consumer_release(release)
             release.advance()
         warpgroup.wait_group(0)
+        if cutlass.const_expr(t.cluster > 1):
+            mainloop.consumer_release(release)  # the cluster's producers wait for every slot before they exit
         return acc
 
     @cute.jit
