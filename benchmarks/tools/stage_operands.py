@@ -30,8 +30,9 @@ TACTIC_HELP = (
     "tactic keys without the token tile, which follows M: n<rows>k<block_k>s<stages>[x<split>][p][L][T][B] for the "
     "mma.sync kernel, e.g. n48k256s4p = 48 weight rows per CTA, 256-element K-tiles, 4 stages, PDL; x14 = split-K "
     "14, L = activations through L1, T = by TMA, B = by bulk copies; "
-    "w<rows>k<block_k>s<stages>[x<split>][m][c<cluster>][p] for the wgmma kernel (QKVG on Hopper), e.g. w64k64s9p = 64 weight rows per CTA, 64-element K-tiles, 9 stages, "
-    "PDL; m = tokens on the MMA's M side; c2 = clusters of 2 CTAs sharing the activations by multicast"
+    "w<rows>k<block_k>s<stages>[x<split>][m][c<cluster>][p] for the wgmma kernel (QKVG on Hopper), e.g. w64k64s9p "
+    "= 64 weight rows per CTA, 64-element K-tiles, 9 stages, PDL; m = tokens on the MMA's M side; c2 = clusters of "
+    "2 CTAs sharing the activations by multicast"
 )
 
 
