@@ -34,6 +34,24 @@ def test_key_names_every_field():
     assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
     assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True).key() == "w48k64t128s8mp"
     assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True, cluster=2).key() == "w48k64t128s8mc2p"
+    assert WgmmaTactic(48, 64, 64, 12, tokens_on_m=True, x_stages=4).key() == "w48k64t64s12a4mp"
+
+
+def test_activations_in_a_ring_of_their_own():
+    """With x_stages the weights keep a deep ring and the activations a shallow one: shared memory counts each
+    ring's tiles, the activations' at the MMA's whole 64-token tiles."""
+    tactic = WgmmaTactic(48, 64, 64, 12, tokens_on_m=True, x_stages=4)
+    one_ring = WgmmaTactic(48, 64, 64, 8, tokens_on_m=True)
+    assert tactic.smem_bytes() == 1024 + (12 * 48 + 4 * 64) * 64 * 2 < one_ring.smem_bytes()
+    assert tactic.w_tile_bytes() == 48 * 64 * 2 and tactic.x_tile_bytes() == 64 * 64 * 2
+    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
+    for change, reason in [({"x_stages": 1}, "x_stages=1 must be 0 or from 2 to stages=12"),
+                           ({"x_stages": 13}, "x_stages=13 must be 0 or from 2 to stages=12"),
+                           ({"stages": 30}, "stages=30 must be from 2 to 28"),
+                           ({"tokens_on_m": False, "block_n": 64}, "only tokens_on_m CTAs")]:
+        assert reason in validate_wgmma_tactic(dataclasses.replace(tactic, **change), QKVG_TP8, K, K)
+    with pytest.raises(ValueError, match="activation ring of its own only outside the single-stream side chain"):
+        WgmmaGemm(dataclasses.replace(tactic, block_n=40), FAB, K, K, K, Link(signals=True, x_ready=True))
 
 
 def test_clusters_share_activations_only_with_tokens_on_m_and_whole_clusters():
@@ -45,7 +63,7 @@ def test_clusters_share_activations_only_with_tokens_on_m_and_whole_clusters():
     assert "must be one of" in validate_wgmma_tactic(dataclasses.replace(tactic, cluster=3), QKVG_TP8, K, K)
     assert "only tokens_on_m" in validate_wgmma_tactic(WgmmaTactic(64, 64, 64, 8, cluster=2), QKVG_TP8, K, K)
     assert tactic.smem_bytes() == dataclasses.replace(tactic, cluster=1).smem_bytes()
-    with pytest.raises(ValueError, match="clusters only outside the single-stream side chain"):
+    with pytest.raises(ValueError, match="runs in clusters or with an activation ring of its own only outside"):
         WgmmaGemm(dataclasses.replace(tactic, block_n=40), 160, K, K, K, Link(signals=True, x_ready=True))
 
 
@@ -188,6 +206,8 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True), 136),
     (WgmmaTactic(48, 64, 72, 10, tokens_on_m=True, cluster=2), QKVG_TP8),
     (WgmmaTactic(48, 64, 128, 8, tokens_on_m=True, cluster=4), QKVG_TP8),
+    (WgmmaTactic(48, 64, 64, 12, tokens_on_m=True, x_stages=4), QKVG_TP8),
+    (WgmmaTactic(48, 64, 128, 12, tokens_on_m=True, x_stages=3, cluster=2), QKVG_TP8),
 ]
 
 
@@ -283,9 +303,23 @@ def test_clusters_sharing_activations_match_reference(m, cluster):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("x_stages", [2, 4], ids=lambda a: f"a{a}")
+@pytest.mark.parametrize("m", [17, 64, 72, 128], ids=lambda m: f"M{m}")
+def test_activations_ring_of_their_own_matches_reference(m, x_stages):
+    """The weights' ring runs ahead of the activations' (12 against 2 or 4 K-tiles, 2 against 2), alone and in
+    clusters of 2; rows past N (152 rows in four 40-row blocks); tiles smaller than M."""
+    _check(WgmmaTactic(48, 64, 64, 12, tokens_on_m=True, x_stages=x_stages).for_tokens(m), m, QKVG_TP8, seed=m)
+    _check(WgmmaTactic(48, 64, 64, 12, tokens_on_m=True, x_stages=x_stages, cluster=2).for_tokens(m), m, QKVG_TP8,
+           seed=m)
+    _check(WgmmaTactic(40, 64, 64, x_stages, tokens_on_m=True, x_stages=2, pdl=False).for_tokens(m), m, 152, seed=m)
+    _check(WgmmaTactic(96, 64, 8 * (m // 16) or 8, 8, tokens_on_m=True, x_stages=x_stages), m, QKVG_TP4, seed=m)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
                                     WgmmaTactic(48, 64, 104, 8, tokens_on_m=True),
-                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True, cluster=2)],
+                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True, cluster=2),
+                                    WgmmaTactic(48, 64, 104, 12, tokens_on_m=True, cluster=2, x_stages=4)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""

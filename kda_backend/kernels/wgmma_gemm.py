@@ -80,7 +80,7 @@ SWIZZLE_ATOM_BYTES = 1024  # a 128-byte swizzle repeats every 8 rows of 128 byte
 # Bytes before the ring: the slots' mbarrier pairs and the split-K flag, rounded up to the ring's alignment (dynamic
 # shared memory starts 1024-byte aligned).
 RING_OFFSET_BYTES = SWIZZLE_ATOM_BYTES
-MAX_STAGES = 32  # their 16-byte mbarrier pairs and the flag fit before the ring
+MAX_STAGES = 32  # slots of both rings: their 16-byte mbarrier pairs and the flag fit before the rings
 MAX_DEFAULT_STAGES = 12  # the deepest ring the default and the candidates use
 MAX_ACC_REGISTERS = 128  # fp32 accumulators per consumer thread; more spill (255 registers per thread in all)
 TOKEN_TILES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # the token tiles the candidates use (any multiple of 8 runs)
@@ -109,6 +109,10 @@ class WgmmaTactic:
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
+    :param x_stages: with ``tokens_on_m``, the activations' own ring of this many K-tiles, filled ``stages -
+        x_stages`` K-tiles behind the weights' ring of ``stages``; 0: one ring whose slots hold both tiles. Weights
+        come from HBM and need a deep ring to stream; activations come from L2, so a shallow ring of them saves
+        shared memory (room for the side chain) without slowing the weights.
     :param cluster: with ``tokens_on_m``, CTAs of neighbouring row blocks launched as one thread-block cluster that
         share every activation tile: each loads its share of the tile's 8-token boxes by TMA multicast into every
         CTA of the cluster, so L2 serves each activation byte once per cluster, not once per CTA. A slot is refilled
@@ -125,6 +129,7 @@ class WgmmaTactic:
     tokens_on_m: bool = False
     pdl: bool = True
     cluster: int = 1
+    x_stages: int = 0
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -148,17 +153,31 @@ class WgmmaTactic:
         """fp32 accumulators each consumer thread holds."""
         return self.block_n * self.mma_tokens // self.consumer_warpgroups // WARPGROUP_THREADS
 
+    def w_tile_bytes(self) -> int:
+        """Bytes of one weight tile."""
+        return self.block_n * self.block_k * 2
+
+    def x_tile_bytes(self) -> int:
+        """Bytes loaded into one activation tile (the MMA's padding tokens stay unloaded)."""
+        return self.block_t * self.block_k * 2
+
     def stage_bytes(self) -> int:
-        """Bytes loaded into one ring slot, weight and activation tiles: what its transaction barrier counts."""
-        return (self.block_n + self.block_t) * self.block_k * 2
+        """Bytes loaded into one slot of one ring, weight and activation tiles: what its transaction barrier
+        counts."""
+        return self.w_tile_bytes() + self.x_tile_bytes()
 
     def slot_bytes(self) -> int:
-        """Shared memory of one ring slot: the MMA's whole activation tile (its padding tokens stay unloaded)."""
+        """Shared memory of one slot of one ring: the MMA's whole activation tile beside the weight tile."""
         return (self.block_n + self.mma_tokens) * self.block_k * 2
 
+    @property
+    def x_ring(self) -> int:
+        """Slots of activation tiles: the activations' own ring, else one per weight tile."""
+        return self.x_stages or self.stages
+
     def smem_bytes(self) -> int:
-        """The ring after the barrier area (the output tile reuses the drained ring)."""
-        return RING_OFFSET_BYTES + self.stages * self.slot_bytes()
+        """The rings after the barrier area (the output tile reuses the drained rings)."""
+        return RING_OFFSET_BYTES + (self.stages * self.block_n + self.x_ring * self.mma_tokens) * self.block_k * 2
 
     def with_activations_from_l2(self) -> WgmmaTactic:
         """Itself: the TMA unit reads activations from L2 already (API parity with
@@ -184,8 +203,9 @@ class WgmmaTactic:
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
+        ring = f"s{self.stages}" + (f"a{self.x_stages}" if self.x_stages else "")
         order = ("m" if self.tokens_on_m else "") + (f"c{self.cluster}" if self.cluster > 1 else "")
-        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
+        return f"w{self.block_n}k{self.block_k}t{self.block_t}{ring}{split}{order}{'p' if self.pdl else ''}"
 
     def for_tokens(self, m: int) -> WgmmaTactic:
         """This tactic with the token tile that runs ``m`` tokens: the smallest covering one (with ``tokens_on_m``
@@ -211,8 +231,11 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         if t.cluster not in CLUSTER_SIZES or row_blocks(n, t.block_n) % t.cluster:
             return (f"cluster={t.cluster} must be one of {CLUSTER_SIZES} dividing the {row_blocks(n, t.block_n)} "
                     f"row blocks of block_n={t.block_n}")
-    elif t.cluster != 1:
-        return f"cluster={t.cluster}: only tokens_on_m CTAs share activation tiles (swap-AB runs cluster=1)"
+        if t.x_stages and not 2 <= t.x_stages <= t.stages:
+            return f"x_stages={t.x_stages} must be 0 or from 2 to stages={t.stages}"
+    elif t.cluster != 1 or t.x_stages:
+        return (f"cluster={t.cluster}, x_stages={t.x_stages}: only tokens_on_m CTAs share activation tiles or give "
+                "them a ring of their own (swap-AB runs 1 and 0)")
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
@@ -222,8 +245,8 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
     if t.acc_registers() > MAX_ACC_REGISTERS:
         return (f"block_n={t.block_n} with block_t={t.block_t} needs {t.acc_registers()} accumulator registers per "
                 f"thread > {MAX_ACC_REGISTERS}")
-    if not 2 <= t.stages <= MAX_STAGES:
-        return f"stages={t.stages} must be from 2 to {MAX_STAGES}"
+    if not 2 <= t.stages <= MAX_STAGES - t.x_stages:
+        return f"stages={t.stages} must be from 2 to {MAX_STAGES - t.x_stages} (both rings' mbarriers fit in 1 KB)"
     if t.split_k < 1 or (k // t.block_k) % t.split_k:
         return f"split_k={t.split_k} must divide the {k // t.block_k} K-tiles"
     if t.smem_bytes() > MAX_SMEM_BYTES:
@@ -238,8 +261,9 @@ def validate_wgmma_link(link: Link, tactic: WgmmaTactic) -> str | None:
     can be the launch behind QKVG (F_A/beta), never the one that waits (F_B), and only without a cluster."""
     if link.waits:
         return f"the wgmma kernel ({tactic.key()}) never waits on the side chain's counters"
-    if link != NO_LINK and tactic.cluster > 1:
-        return f"the wgmma kernel ({tactic.key()}) runs in clusters only outside the single-stream side chain"
+    if link != NO_LINK and (tactic.cluster > 1 or tactic.x_stages):
+        return (f"the wgmma kernel ({tactic.key()}) runs in clusters or with an activation ring of its own only "
+                "outside the single-stream side chain")
     return None
 
 
@@ -397,13 +421,13 @@ class WgmmaGemm:
         )
         if cutlass.const_expr(t.tokens_on_m):
             tile_mnk = (t.mma_tokens, t.block_n, t.block_k)
-            s_x_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+            s_x_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.x_ring)
             s_w_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             # The same ring as boxes of 8 tokens: box j of slot s is rows 8j .. 8j + 7 of that slot's tile.
             x_box = (X_BOX_TOKENS, t.block_k)
             s_x_box_layout = hopper_helpers.make_smem_layout_a(
                 LayoutEnum.ROW_MAJOR, (X_BOX_TOKENS, t.block_n, t.block_k), dtype,
-                t.stages * t.mma_tokens // X_BOX_TOKENS,
+                t.x_ring * t.mma_tokens // X_BOX_TOKENS,
             )
         else:
             tile_mnk = (t.block_n, t.block_t, t.block_k)
@@ -456,7 +480,7 @@ class WgmmaGemm:
         dtype = m_out_t.element_type
 
         smem = cutlass.memory.SmemAllocator()
-        barriers = smem.allocate_array(cutlass.Int64, 2 * t.stages, byte_alignment=8)
+        barriers = smem.allocate_array(cutlass.Int64, 2 * (t.stages + t.x_stages), byte_alignment=8)
         s_last = None
         if cutlass.const_expr(t.uses_workspace):
             s_last = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), SPLIT_K_FLAG_BYTES)
@@ -472,23 +496,36 @@ class WgmmaGemm:
         # every CTA the producer multicasts into have freed it. The cluster runs along the rows, which are the MMA's
         # N with tokens_on_m: its CTAs share the A operand (multicast mode m). create() syncs the cluster after
         # initialising the barriers, before any multicast can land.
-        mainloop = pipeline.PipelineTmaAsync.create(
+        # The activations' ring (with x_stages; else the one ring) is the cluster's, the weights' own the CTA's.
+        x_ring_loop = pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
-            num_stages=t.stages,
+            num_stages=t.x_ring,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster * t.consumer_threads // 32),
-            tx_count=t.stage_bytes(),
+            tx_count=t.x_tile_bytes() if t.x_stages else t.stage_bytes(),
             cta_layout_vmnk=cute.make_layout((1, 1, t.cluster, 1)),
             mcast_mode_mn=(1, 0) if t.cluster > 1 else (1, 1),
         )
+        mainloop, x_loop = x_ring_loop, None
+        if cutlass.const_expr(t.x_stages):
+            x_loop = x_ring_loop
+            mainloop = pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers + 2 * t.x_stages,
+                num_stages=t.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
+                tx_count=t.w_tile_bytes(),
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            )
 
-        self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
+        self._tile_per_cta(mainloop, x_loop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
                            m_arrivals, m_chain, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
 
     @cute.jit
-    def _tile_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
+    def _tile_per_cta(self, mainloop, x_loop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
                       m_arrivals, m_chain, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz):
-        """One output tile (row block ``bidx``, token tile ``bidy``) and K-split ``bidz`` per CTA."""
+        """One output tile (row block ``bidx``, token tile ``bidy``) and K-split ``bidz`` per CTA. ``mainloop``:
+        the ring's pipeline (the weights' with x_stages), ``x_loop``: the activations' own, or ``None``."""
         t = self.tactic
         m_tokens = m_out_t.shape[1]
         k_tiles = self.k // t.block_k // t.split_k
@@ -497,7 +534,10 @@ class WgmmaGemm:
         t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w, s_x_box, bidx, bidy)
 
         if warp == t.consumer_threads // 32:
-            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_first, k_tiles)
+            if cutlass.const_expr(t.x_stages):
+                self._produce_two_rings(mainloop, x_loop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_tiles)
+            else:
+                self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_first, k_tiles)
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
@@ -507,7 +547,7 @@ class WgmmaGemm:
             # The MMAs' (rows, tokens) tile, staged in the drained ring on its way out.
             s_o = cute.make_tensor(ring, cute.make_layout((t.block_n, t.mma_tokens), stride=(1, t.block_n)))
             thr_mma = tiled_mma.get_slice(tidx)
-            acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
+            acc = self._consume(mainloop, x_loop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
             if cutlass.const_expr(t.split_k > 1):
                 self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
                                      bidx, bidy, bidz, tidx)
@@ -583,6 +623,50 @@ class WgmmaGemm:
             mainloop.producer_tail(state)
 
     @cute.jit
+    def _produce_two_rings(self, mainloop, x_loop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, row_block, token_tile,
+                           k_tiles: cutlass.Constexpr[int]):
+        """The producer warp with x_stages: the weights' ring runs ``stages - x_stages`` K-tiles ahead of the
+        activations'. Both slots it waits for in one step free with the same K-tile, so neither ring waits on the
+        other. Weights of the first ``stages`` K-tiles start before the PDL wait, as in :meth:`_produce`."""
+        t = self.tactic
+        cpasync.prefetch_descriptor(w_tma)
+        cpasync.prefetch_descriptor(x_tma)
+        w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
+        w_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+        x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.x_stages)
+        lag = t.stages - t.x_stages
+        for k in cutlass.range_constexpr(min(t.stages, k_tiles)):
+            mainloop.producer_acquire(w_state)  # the ring starts empty: no wait
+            cute.copy(w_tma, t_gw[None, k], t_sw[None, k], tma_bar_ptr=mainloop.producer_get_barrier(w_state),
+                      cache_policy=w_policy)
+            w_state.advance()
+        if cutlass.const_expr(t.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        for k in cutlass.range_constexpr(min(t.x_stages, k_tiles)):
+            x_loop.producer_acquire(x_state)
+            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k, k, x_loop.producer_get_barrier(x_state),
+                         x_policy)
+            x_state.advance()
+        for k in cutlass.range(t.stages, k_tiles, unroll=1):
+            mainloop.producer_acquire(w_state)
+            bar = mainloop.producer_get_barrier(w_state)
+            cute.copy(w_tma, t_gw[None, k], t_sw[None, w_state.index], tma_bar_ptr=bar, cache_policy=w_policy)
+            w_state.advance()
+            x_loop.producer_acquire(x_state)
+            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k - lag, x_state.index,
+                         x_loop.producer_get_barrier(x_state), x_policy)
+            x_state.advance()
+        # The activations of the last K-tiles, whose weights were issued ahead.
+        for k in cutlass.range(max(min(t.x_stages, k_tiles), k_tiles - lag), k_tiles, unroll=1):
+            x_loop.producer_acquire(x_state)
+            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k, x_state.index,
+                         x_loop.producer_get_barrier(x_state), x_policy)
+            x_state.advance()
+        if cutlass.const_expr(t.cluster > 1):
+            x_loop.producer_tail(x_state)
+
+    @cute.jit
     def _load_x(self, x_tma, t_gx, t_sx, row_block, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
         ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded). In a cluster
@@ -606,10 +690,11 @@ class WgmmaGemm:
             cute.copy(x_tma, t_gx[None, k], t_sx[None, slot], tma_bar_ptr=bar, cache_policy=policy)
 
     @cute.jit
-    def _consume(self, mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
-        """The consumer warpgroups: accumulate this CTA's K-tiles, one K-tile of MMAs in flight; each slot is freed
-        once the MMAs reading it completed. Returns the fp32 accumulator fragment of the (rows, tokens) tile ``s_o``
-        (block_n, mma_tokens)."""
+    def _consume(self, mainloop, x_loop, tiled_mma, thr_mma, s_w, s_x, s_o,
+                 k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
+        """The consumer warpgroups: accumulate this CTA's K-tiles, one K-tile of MMAs in flight; each slot (of
+        both rings with x_stages) is freed once the MMAs reading it completed. Returns the fp32 accumulator fragment
+        of the (rows, tokens) tile ``s_o`` (block_n, mma_tokens)."""
         t = self.tactic
         s_a, s_b = (s_x, s_w) if t.tokens_on_m else (s_w, s_x)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
@@ -619,27 +704,43 @@ class WgmmaGemm:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
+        read_x, release_x = read, release  # one ring: the activations' slot is the weights'
+        if cutlass.const_expr(t.x_stages):
+            read_x = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.x_stages)
+            release_x = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.x_stages)
+        self._mma_tile(mainloop, x_loop, tiled_mma, acc, t_ra, t_rb, read, read_x)
         read.advance()
+        if cutlass.const_expr(t.x_stages):
+            read_x.advance()
         for _ in cutlass.range(1, k_tiles, unroll=1):
-            self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
+            self._mma_tile(mainloop, x_loop, tiled_mma, acc, t_ra, t_rb, read, read_x)
             read.advance()
-            # The K-tile before this one is done: its slot may be refilled.
+            if cutlass.const_expr(t.x_stages):
+                read_x.advance()
+            # The K-tile before this one is done: its slots may be refilled.
             warpgroup.wait_group(1)
             mainloop.consumer_release(release)
             release.advance()
+            if cutlass.const_expr(t.x_stages):
+                x_loop.consumer_release(release_x)
+                release_x.advance()
         warpgroup.wait_group(0)
         if cutlass.const_expr(t.cluster > 1):
-            mainloop.consumer_release(release)  # the cluster's producers wait for every slot before they exit
+            # The cluster's producers wait for every activation slot before they exit.
+            (x_loop if t.x_stages else mainloop).consumer_release(release_x)
         return acc
 
     @cute.jit
-    def _mma_tile(self, mainloop, tiled_mma, acc, t_ra, t_rb, read):
-        """Wait for the ring slot ``read`` and issue its MMAs (one commit group)."""
+    def _mma_tile(self, mainloop, x_loop, tiled_mma, acc, t_ra, t_rb, read, read_x):
+        """Wait for the weights' slot ``read`` and the activations' ``read_x`` (the same slot with one ring) and
+        issue their MMAs (one commit group)."""
         mainloop.consumer_wait(read)
+        if cutlass.const_expr(self.tactic.x_stages):
+            x_loop.consumer_wait(read_x)
+        a_slot, b_slot = (read_x.index, read.index) if self.tactic.tokens_on_m else (read.index, read_x.index)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            cute.gemm(tiled_mma, acc, t_ra[None, None, kb, read.index], t_rb[None, None, kb, read.index], acc)
+            cute.gemm(tiled_mma, acc, t_ra[None, None, kb, a_slot], t_rb[None, None, kb, b_slot], acc)
         warpgroup.commit_group()
 
     def _mma_view(self, tile: cute.Tensor) -> cute.Tensor:
