@@ -343,10 +343,28 @@ def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [deep, dataclasses.replace(deep, pdl=False), *(dataclasses.replace(probe, stages=s) for s in rings[1:])]
 
 
+def shared_activation_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
+    """The ``tokens_on_m`` tactics worth timing above :data:`TOKENS_ON_M_CANDIDATES_UP_TO` tokens, up to
+    :data:`MAX_TOKENS_ON_M`: :func:`tokens_on_m_rows` rows per CTA in clusters of 2 (where they divide the row
+    blocks), which halve the activation bytes L2 serves, with the activations in a ring of their own of 4 or 6
+    K-tiles behind 12 or 14 of weights, so the side chain keeps room beside them. Measured on H200 for Kimi-K3 TP 8,
+    QKVG alone with one ring of 10 K-tiles: 24.83 / 27.50 us at M = 96 / 128 in clusters of 2 against 26.55 / 31.52
+    without and 25.76 / 28.35 for swap-AB 64-row CTAs, but that ring leaves the side chain no room (the stage took
+    20 us longer); clusters of 4 took 39-43 us (`benchmarks/results/levers/wgmma-cluster-multicast.log`)."""
+    if not TOKENS_ON_M_CANDIDATES_UP_TO < m <= MAX_TOKENS_ON_M or k % 64:
+        return []
+    rows = tokens_on_m_rows(n)
+    cluster = 2 if row_blocks(n, rows) % 2 == 0 else 1
+    probe = WgmmaTactic(rows, 64, 64, 12, tokens_on_m=True, cluster=cluster).for_tokens(m)
+    found = [dataclasses.replace(probe, stages=stages, x_stages=x_stages) for stages, x_stages in ((12, 4), (12, 6),
+                                                                                                  (14, 4))]
+    return [t for t in found if validate_wgmma_tactic(t, n, k, k) is None]
+
+
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
     size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
-    and :func:`tokens_on_m_tactics`."""
+    :func:`tokens_on_m_tactics` and :func:`shared_activation_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -358,7 +376,7 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    for tactic in [default, *tokens_on_m_tactics(n, k, m)]:
+    for tactic in [default, *tokens_on_m_tactics(n, k, m), *shared_activation_tactics(n, k, m)]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
     return found
@@ -704,7 +722,7 @@ class WgmmaGemm:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        read_x, release_x = read, release  # one ring: the activations' slot is the weights'
+        read_x = release_x = None  # one ring: the activations' slot is the weights'
         if cutlass.const_expr(t.x_stages):
             read_x = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.x_stages)
             release_x = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.x_stages)
@@ -725,19 +743,21 @@ class WgmmaGemm:
                 x_loop.consumer_release(release_x)
                 release_x.advance()
         warpgroup.wait_group(0)
-        if cutlass.const_expr(t.cluster > 1):
-            # The cluster's producers wait for every activation slot before they exit.
-            (x_loop if t.x_stages else mainloop).consumer_release(release_x)
+        if cutlass.const_expr(t.cluster > 1 and t.x_stages):
+            x_loop.consumer_release(release_x)  # the cluster's producers wait for every slot before they exit
+        elif cutlass.const_expr(t.cluster > 1):
+            mainloop.consumer_release(release)
         return acc
 
     @cute.jit
     def _mma_tile(self, mainloop, x_loop, tiled_mma, acc, t_ra, t_rb, read, read_x):
-        """Wait for the weights' slot ``read`` and the activations' ``read_x`` (the same slot with one ring) and
-        issue their MMAs (one commit group)."""
+        """Wait for the ring slot ``read`` (with x_stages: the weights', and the activations' ``read_x``, else
+        ``None``) and issue its MMAs (one commit group)."""
         mainloop.consumer_wait(read)
+        a_slot = b_slot = read.index
         if cutlass.const_expr(self.tactic.x_stages):
             x_loop.consumer_wait(read_x)
-        a_slot, b_slot = (read_x.index, read.index) if self.tactic.tokens_on_m else (read.index, read_x.index)
+            a_slot = read_x.index  # x_stages runs tokens_on_m only: the activations are the MMA's A
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
             cute.gemm(tiled_mma, acc, t_ra[None, None, kb, a_slot], t_rb[None, None, kb, b_slot], acc)
