@@ -27,7 +27,7 @@ from kda_backend import dispatch
 from kda_backend.accuracy import output_error
 from kda_backend.batch_sizes import engine_batch_sizes
 from kda_backend.geometry import KDAGeometry
-from kda_backend.kernels.occupancy import SmBudget, free_sm_wgmma_tactics, spare_slot_tactics
+from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
 from kda_backend.kernels.skinny_gemm import Tactic, candidate_tactics, default_tactic
 from kda_backend.kernels.tactics import (
     SINGLE_TOKEN_BUCKET,
@@ -171,9 +171,7 @@ def tune_tactics(
        whose CTAs fit only in the slots QKVG leaves free (:func:`~kda_backend.kernels.occupancy.spare_slot_tactics`):
        what overlaps best need not be what runs fastest alone (measured on H200 for Kimi-K3 TP8: F_A/beta with 2
        or 3 stages times the same alone, but with 3 the stage is 0.2-0.3 us faster; 12 large CTAs take twice as
-       long alone as 126 small ones, but the stage is 0.5-0.8 us faster at M = 16). From 17 tokens on SM 9.x,
-       F_A/beta's candidates include the ``wgmma`` kernel on the SMs QKVG leaves free
-       (:func:`~kda_backend.kernels.occupancy.free_sm_wgmma_tactics`).
+       long alone as 126 small ones, but the stage is 0.5-0.8 us faster at M = 16).
     """
     table: TacticTable = {}
     shapes = _role_shapes(geometry)
@@ -222,8 +220,6 @@ def tune_tactics(
             main = table[("qkvg", q_n, q_k, bucket)]
             main_ctas = main.ctas(q_n, top)
             cands += [c for c in spare_slot_tactics(n, k, top, xs, main, main_ctas, budget) if c not in cands]
-            if role == "fab" and wgmma_serves(role, capability) and bucket >= WGMMA_MIN_BUCKET:
-                cands += free_sm_wgmma_tactics(n, k, top, xs, main, main_ctas, budget)
             cands = verified(weights, role, cands, BUCKET_MS[bucket], progress)
             key = (role, n, k, bucket)
             table.update(_best_in_stage(weights, bucket, table, [{key: c} for c in cands], progress))

@@ -152,9 +152,8 @@ def _call(**kw):
         (dict(dtype=torch.float16), "not bfloat16"),
         (dict(m=65, capability=(10, 0)), "M > 64"),  # the wgmma kernel serves Hopper only
         (dict(m=257), "M > 256"),
-        (dict(role="fab", n=144, m=65), "M > 64"),  # F_A/beta up to 64 tokens, as the side chain
-        (dict(role="fab", n=144, m=72, tuned=WgmmaTactic(40, 64, 64, 12, tokens_on_m=True)), "M > 64"),
-        (dict(role="fb", n=1536, k=128, x_row_stride=144, m=32, tuned=WgmmaTactic()), "the wgmma kernel serves qkvg"),
+        (dict(role="fab", n=144, m=65), "M > 64"),  # and QKVG only
+        (dict(role="fab", n=144, m=32, tuned=WgmmaTactic()), "the wgmma kernel serves qkvg"),
         (dict(n=100), "N=100"),
         (dict(role="fb", n=1536, k=128, x_row_stride=140), "x row stride 140"),
     ],
@@ -321,19 +320,6 @@ def test_wgmma_kernel_releases_the_next_launch_only_after_its_wait_for_x(tactic,
     text = _compile_and_dump(KernelKey(tactic, 6144, 7168, 7168, 7168, "sm_90a"), tmp_path)
     assert text.count("griddepcontrol.launch_dependents") == 1 and text.count("griddepcontrol.wait") == 1
     assert text.index("griddepcontrol.wait") < text.index("griddepcontrol.launch_dependents")
-
-
-def test_wgmma_f_a_beta_trailing_qkvg_releases_at_once_and_waits_last(tmp_path):
-    """As F_A/beta behind QKVG on one stream the wgmma kernel loads x without waiting (QKVG waited for it),
-    releases F_B at once, counts each stored tile in on the chain with release semantics, and waits for QKVG only
-    at its end, so it never completes before QKVG."""
-    tactic = WgmmaTactic(40, 64, 64, 12, tokens_on_m=True)
-    text = _compile_and_dump(KernelKey(tactic, 144, 7168, 7168, 7168, "sm_90a", Link(signals=True, x_ready=True)),
-                             tmp_path)
-    assert text.count("griddepcontrol.launch_dependents") == 1 and text.count("griddepcontrol.wait") == 1
-    assert text.index("griddepcontrol.launch_dependents") < text.index("griddepcontrol.wait")
-    assert text.index("griddepcontrol.wait") > text.rindex("cp.async.bulk.tensor")  # after every load
-    assert text.count("atom.global.release.add") == 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -806,23 +792,3 @@ def test_no_trailing_side_chain_where_qkvg_and_fab_both_count_tiles_in():
     calls = {role: _call(role=role, m=40, n=n, k=k, x_row_stride=xs) for role, (n, k, xs) in _roles(8).items()}
     calls["qkvg"] = dataclasses.replace(calls["qkvg"], tuned=WgmmaTactic(64, 64, 48, 8, split_k=2))
     assert "both count tiles in" in provider.why_not_trailing(calls)
-
-
-def test_wgmma_f_a_beta_trails_qkvg_in_two_launches_and_never_in_the_one_launch_stage():
-    """A plan's wgmma F_A/beta tactic (tokens on M, in the SMs QKVG leaves free) serves the side chain up to 64
-    tokens: trailing QKVG it is F_A/beta's launch as tuned (the forked run's kernel, so its bits), F_B waits for its
-    tiles; it never joins a one-launch side chain or stage, and the wgmma kernel never is the waiting F_B."""
-    p = CuteDslProvider()
-    fab_wgmma = WgmmaTactic(40, 64, 64, 12, tokens_on_m=True)
-    for m in (16, 48):
-        calls = {role: dataclasses.replace(call, m=m) for role, call in _stage_calls(8).items()}
-        calls["fab"] = dataclasses.replace(calls["fab"], tuned=fab_wgmma)
-        fab, fb = p.trailing_tactics(calls)
-        assert fab == fab_wgmma.for_tokens(m) and isinstance(fb, Tactic) and not fb.x_via_l1
-        assert p.why_not(calls["fab"]) is None and p.why_not_trailing(calls) is None
-        assert p.why_not_stage(calls) is not None
-    calls = {role: dataclasses.replace(call, m=16) for role, call in _stage_calls(8).items()}
-    calls["fab"] = dataclasses.replace(calls["fab"], tuned=fab_wgmma)
-    assert p.why_not_stage(calls) == "F_A/beta runs the wgmma kernel"
-    calls["fb"] = dataclasses.replace(calls["fb"], tuned=WgmmaTactic(128, 64, 16, 2, tokens_on_m=True))
-    assert "the wgmma kernel serves qkvg, fab" in p.why_not(calls["fb"])

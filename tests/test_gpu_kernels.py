@@ -1,6 +1,5 @@
 """The CuTe DSL kernel alone on the GPU: every role and TP size, strided f_a input, bad input errors, the provider's
-launchers (inside CUDA graphs too), the trailing side chain (F_A/beta on either kernel family), N not a multiple of
-16 (a partial last row block)."""
+launchers (inside CUDA graphs too), the trailing side chain, N not a multiple of 16 (a partial last row block)."""
 
 import dataclasses
 
@@ -14,7 +13,6 @@ from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
 from kda_backend.kernels.side_chain_gemm import why_not_one_launch
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic, output_tiles
 from kda_backend.kernels.tactics import tactic_bucket
-from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.plan import Plan
 from kda_backend.providers.base import GemmCall
 from kda_backend.providers.cute_provider import CuteDslProvider, launch, trailing_calls
@@ -282,16 +280,6 @@ def test_side_chain_in_one_launch_over_several_token_tiles(fab_tactic, m, kda_lo
     fb_tactic = Tactic(16, 128, 16, 3, x_via_l1=False)
     assert why_not_one_launch(fab_tactic, fb_tactic) is None
     _check_trailing_side_chain(m, fab_tactic, fb_tactic)
-    assert not any("computed wrongly" in message for message in kda_log.messages())
-
-
-@pytest.mark.parametrize("m", [17, 48, 64], ids=lambda m: f"M{m}")
-def test_wgmma_f_a_beta_trailing_qkvg_equals_the_plain_kernels_bitwise(m, kda_log):
-    """F_A/beta on the wgmma kernel (tokens on M, 4 CTAs of 40 rows, the SMs QKVG leaves free) trailing QKVG: it
-    loads x without waiting, counts its tiles in for F_B, and ends waiting for QKVG; two launches with the plain
-    kernels' bits, counters left at zero."""
-    fab_tactic = WgmmaTactic(40, 64, 64, 12, tokens_on_m=True).for_tokens(m)
-    _check_trailing_side_chain(m, fab_tactic, Tactic(16, 128, block_t_for(m), 2, x_via_l1=False))
     assert not any("computed wrongly" in message for message in kda_log.messages())
 
 

@@ -1,6 +1,5 @@
 """Spare-slot side-chain tactics: occupancy arithmetic, the candidates it yields, and the autotuner timing them."""
 
-import dataclasses
 import types
 
 import pytest
@@ -12,7 +11,6 @@ from kda_backend.kernels.compile_cache import KernelKey, compile_gemm
 from kda_backend.kernels.occupancy import (
     SMEM_RESERVED_PER_CTA,
     SmBudget,
-    free_sm_wgmma_tactics,
     spare_slot_tactics,
     spare_slots,
 )
@@ -194,54 +192,3 @@ def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkey
     assert len(roomy) == 1 and leaves_room(roomy.pop())
     chosen = table[("qkvg", TP8.qkvg_rows, TP8.hidden_size, 32)]
     assert isinstance(chosen, WgmmaTactic) and not chosen.pdl
-
-
-TOKENS_ON_M_QKVG = WgmmaTactic(48, 64, 64, 10, tokens_on_m=True)  # 128 CTAs of 48 rows at TP 8: 4 SMs free
-
-
-@pytest.mark.parametrize("tp,rows", [(8, 40), (4, 40)], ids=lambda v: f"{v}")
-def test_wgmma_f_a_beta_takes_the_sms_tokens_on_m_qkvg_leaves_free(tp, rows):
-    """One CTA per free SM (4 beside 128 QKVG CTAs, at TP 8 and TP 4 alike), the fewest rows spreading F_A/beta
-    over them, the deepest ring of the candidates, too large to sit beside a QKVG CTA."""
-    g = preset("kimi-k3", tp)
-    qkvg = dataclasses.replace(TOKENS_ON_M_QKVG, block_n=g.qkvg_rows // 128)
-    n, k = g.fab_rows, g.hidden_size
-    (found,) = free_sm_wgmma_tactics(n, k, 64, k, qkvg, qkvg.ctas(g.qkvg_rows, 64), H200)
-    assert found == WgmmaTactic(rows, 64, 64, 12, tokens_on_m=True)
-    assert -(-n // found.block_n) == 4
-    assert found.smem_bytes() + SMEM_RESERVED_PER_CTA > H200.room_beside(qkvg, 1)
-    assert free_sm_wgmma_tactics(n, k, 24, k, qkvg, 128, H200)[0].block_t == 24
-
-
-def test_no_wgmma_f_a_beta_where_no_sm_is_free_or_it_would_sit_beside_qkvg():
-    n, k = TP8.fab_rows, TP8.hidden_size
-    assert free_sm_wgmma_tactics(n, k, 64, k, TOKENS_ON_M_QKVG, 132, H200) == []
-    assert free_sm_wgmma_tactics(n, k, 64, k, WgmmaTactic(48, 64, 64, 2, tokens_on_m=True), 128, H200) == []
-
-
-def test_autotuner_times_wgmma_f_a_beta_in_the_sms_qkvg_leaves_free(monkeypatch):
-    """On SM 9.x from 17 tokens the in-stage pass for F_A/beta also times the wgmma tactic for the SMs the chosen
-    QKVG (here tokens-on-M, the fastest in the stage) leaves free, and keeps it where the stage is fastest with it;
-    at 16 tokens it is not a candidate."""
-    fab_staged = []
-
-    def time_step(weights, step, m, tactics):
-        bucket = 32 if m > 16 else 16
-        qkvg, fab = (tactics.get((role, n, TP8.hidden_size, bucket)) for role, n in (("qkvg", TP8.qkvg_rows),
-                                                                                    ("fab", TP8.fab_rows)))
-        fab_staged.append((m, fab))
-        tokens_on_m = isinstance(qkvg, WgmmaTactic) and qkvg.tokens_on_m
-        return 1e-6 - 0.2e-6 * tokens_on_m - 0.3e-6 * isinstance(fab, WgmmaTactic)
-
-    monkeypatch.setattr(autotune, "time_tactic", lambda weights, role, tactic, m: 1e-6)
-    monkeypatch.setattr(autotune, "time_step", time_step)
-    monkeypatch.setattr(autotune, "tactic_error", lambda weights, role, tactic, m: None)
-    monkeypatch.setattr(autotune, "device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
-    weights = [types.SimpleNamespace(geometry=TP8, device=torch.device("cpu"))]
-    table = autotune.tune_tactics(TP8, weights, [16, 32])
-    qkvg = table[("qkvg", TP8.qkvg_rows, TP8.hidden_size, 32)]
-    expected = free_sm_wgmma_tactics(TP8.fab_rows, TP8.hidden_size, 32, TP8.hidden_size, qkvg,
-                                     qkvg.ctas(TP8.qkvg_rows, 32), H200)
-    assert expected and table[("fab", TP8.fab_rows, TP8.hidden_size, 32)] == expected[0]
-    assert not any(isinstance(fab, WgmmaTactic) for m, fab in fab_staged if m <= 16)

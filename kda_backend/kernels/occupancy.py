@@ -16,13 +16,6 @@ import itertools
 import torch
 
 from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, padded_rows, row_blocks, validate_tactic
-from kda_backend.kernels.wgmma_gemm import (
-    MAX_DEFAULT_STAGES,
-    MAX_TOKEN_TILE,
-    WgmmaTactic,
-    max_stages,
-    validate_wgmma_tactic,
-)
 
 SMEM_RESERVED_PER_CTA = 1024  # shared memory the driver keeps per resident CTA (SM 8.0 and later)
 MAX_CTAS_PER_SM = 32
@@ -102,30 +95,3 @@ def spare_slot_tactics(
             if only_in_free_slot(tactic) and validate_tactic(tactic, n, k, x_row_stride) is None:
                 found.append(tactic)
     return found
-
-
-def free_sm_wgmma_tactics(
-    n: int, k: int, m: int, x_row_stride: int, main: Tactic | WgmmaTactic, main_ctas: int, budget: SmBudget
-) -> list[WgmmaTactic]:
-    """``wgmma`` tactics (tokens on the MMA's M side) for a side GEMM ``[M, K] x [N, K]^T`` that runs in the SMs a
-    one-wave main launch of ``main_ctas`` CTAs, one per SM, leaves free: one CTA per free SM, of the fewest rows (a
-    multiple of 8) that spread N over them, with the deepest ring of the candidates, too large to sit beside one of
-    ``main``'s CTAs, so it never slows them. Empty where ``main`` leaves no SM free or nothing fits.
-
-    Measured on H200 for Kimi-K3 TP 8 F_A/beta beside 128 tokens-on-M QKVG CTAs with a 10-deep ring (4 SMs free,
-    ``benchmarks/results/levers/side-chain-wgmma.log``): 4 CTAs of 40 rows with 12 stages, stage 24.05 / 24.41 us at
-    M = 48 / 64 against 25.79 / 26.44 with the split-K ``mma.sync`` side chain; an 8-deep ring, which fits beside
-    QKVG, 27.63 at M = 64.
-    """
-    free = budget.sms - main_ctas
-    if free <= 0:
-        return []
-    rows = -(-n // (free * 8)) * 8
-    if rows > MAX_TOKEN_TILE:
-        return []
-    probe = WgmmaTactic(rows, 64, 64, 2, tokens_on_m=True).for_tokens(m)
-    stages = min(MAX_DEFAULT_STAGES, max_stages(rows, 64, probe.block_t, 1, tokens_on_m=True))
-    tactic = WgmmaTactic(rows, 64, probe.block_t, stages, tokens_on_m=True)
-    if tactic.smem_bytes() + SMEM_RESERVED_PER_CTA <= budget.room_beside(main, 1):
-        return []
-    return [tactic] if validate_wgmma_tactic(tactic, n, k, x_row_stride) is None else []

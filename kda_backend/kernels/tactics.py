@@ -3,10 +3,9 @@ buckets plans tune tactics for, and validation of either family's tactic.
 
 - :class:`~kda_backend.kernels.skinny_gemm.Tactic`: the ``mma.sync`` kernel, every role, SM 9.x and 10.x, up to
   :data:`SKINNY_MAX_M` tokens. At M <= 16 it streams QKVG at 96-99 % of copy bandwidth on H200.
-- :class:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic`: the warpgroup-MMA kernel on SM 9.x, QKVG up to
-  :data:`WGMMA_MAX_M` tokens and, where a plan tuned it, F_A/beta in the side chain. Where M grows past a few tens
-  of tokens the ``mma.sync`` kernel's register-fed MMAs fall behind the weight stream (42 % of copy bandwidth at
-  M = 64 on H200), which ``wgmma`` avoids.
+- :class:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic`: the warpgroup-MMA kernel, QKVG on SM 9.x, up to
+  :data:`WGMMA_MAX_M` tokens. Where M grows past a few tens of tokens the ``mma.sync`` kernel's register-fed MMAs
+  fall behind the weight stream (42 % of copy bandwidth at M = 64 on H200), which ``wgmma`` avoids.
 
 Tactics are tuned per bucket of M (:func:`tactic_bucket`); a ``wgmma`` tactic tuned for a bucket runs every M in it
 with the token tile covering that M (:func:`for_m`), since a smaller tile reads fewer activation bytes per K-tile.
@@ -16,11 +15,10 @@ An untuned QKVG call gets the ``wgmma`` default from 33 to 64 tokens; above 64 o
 
 from __future__ import annotations
 
-from kda_backend.kernels.skinny_gemm import Link, Tactic, default_tactic, validate_link, validate_tactic
+from kda_backend.kernels.skinny_gemm import Tactic, default_tactic, validate_tactic
 from kda_backend.kernels.wgmma_gemm import (
     WgmmaTactic,
     default_wgmma_tactic,
-    validate_wgmma_link,
     validate_wgmma_tactic,
 )
 
@@ -29,12 +27,7 @@ SINGLE_TOKEN_BUCKET = 1
 BUCKETS = (SINGLE_TOKEN_BUCKET, 16, 32, 64, 128, 256)
 SKINNY_MAX_M = 64
 WGMMA_MAX_M = 256
-# The most tokens a wgmma tactic serves per role: QKVG's; F_A/beta's as far as CuTe serves the side chain. F_A/beta
-# takes it only where a plan tuned it: on a few tokens-on-M CTAs in the SMs QKVG leaves free, the TP 8 stage took
-# 24.05 / 24.41 us at M = 48 / 64 against 25.79 / 26.44 with the split-K mma.sync side chain beside the same QKVG
-# (H200, benchmarks/results/levers/side-chain-wgmma.log). F_B (K = 128) stays on mma.sync.
-WGMMA_MAX_M_BY_ROLE = {"qkvg": WGMMA_MAX_M, "fab": SKINNY_MAX_M}
-WGMMA_DEFAULT_ROLES = ("qkvg",)  # roles an untuned call may run on wgmma
+WGMMA_ROLES = ("qkvg",)  # F_A/beta and F_B are skinny: the split-K mma.sync kernel serves them beside QKVG
 WGMMA_MAJORS = (9,)
 # Above this M an untuned QKVG call on SM 9.x gets the wgmma kernel's default (measured on H200, Kimi-K3 TP8 QKVG
 # alone: at M = 24..32 mma.sync streams at 87-89 % of copy bandwidth and wgmma at 91-92 %, at M = 64 42 % against
@@ -51,12 +44,12 @@ def tactic_bucket(m: int) -> int:
 
 def wgmma_serves(role: str, capability: tuple[int, int] | None) -> bool:
     """Whether the ``wgmma`` family can serve ``role`` on a device of ``capability``."""
-    return role in WGMMA_MAX_M_BY_ROLE and capability is not None and capability[0] in WGMMA_MAJORS
+    return role in WGMMA_ROLES and capability is not None and capability[0] in WGMMA_MAJORS
 
 
 def max_m(role: str, capability: tuple[int, int] | None) -> int:
     """The most tokens a CuTe kernel serves for ``role`` on ``capability``."""
-    return WGMMA_MAX_M_BY_ROLE[role] if wgmma_serves(role, capability) else SKINNY_MAX_M
+    return WGMMA_MAX_M if wgmma_serves(role, capability) else SKINNY_MAX_M
 
 
 def for_m(tactic: AnyTactic, m: int) -> AnyTactic:
@@ -65,9 +58,9 @@ def for_m(tactic: AnyTactic, m: int) -> AnyTactic:
 
 
 def default_for(role: str, n: int, k: int, m: int, capability: tuple[int, int] | None) -> AnyTactic:
-    """The tactic an untuned call runs: ``wgmma``'s default above :data:`WGMMA_DEFAULT_ABOVE_M` for the roles of
-    :data:`WGMMA_DEFAULT_ROLES` where it serves, else the ``mma.sync`` kernel's."""
-    if m > WGMMA_DEFAULT_ABOVE_M and role in WGMMA_DEFAULT_ROLES and wgmma_serves(role, capability):
+    """The tactic an untuned call runs: ``wgmma``'s default above :data:`WGMMA_DEFAULT_ABOVE_M` where it serves,
+    else the ``mma.sync`` kernel's."""
+    if m > WGMMA_DEFAULT_ABOVE_M and wgmma_serves(role, capability):
         return default_wgmma_tactic(n, k, m)
     return default_tactic(n, k, m)
 
@@ -79,23 +72,14 @@ def validate_any(tactic: AnyTactic, n: int, k: int, x_row_stride: int) -> str | 
     return validate_tactic(tactic, n, k, x_row_stride)
 
 
-def validate_any_link(link: Link, tactic: AnyTactic) -> str | None:
-    """``None`` if ``tactic`` (either family) can take part in the overlap on one stream as ``link`` says, else why
-    not: the wgmma kernel can be the launch behind QKVG (F_A/beta), never the one that waits (F_B)."""
-    if isinstance(tactic, WgmmaTactic):
-        return validate_wgmma_link(link, tactic)
-    return validate_link(link, tactic)
-
-
 def why_not_for(tactic: AnyTactic, role: str, m: int, capability: tuple[int, int] | None, tuned: bool) -> str | None:
     """Why ``tactic``'s family cannot serve ``role`` at ``m`` tokens on ``capability``, or ``None``. Above
     :data:`SKINNY_MAX_M` the wgmma kernel serves only a tactic a plan tuned there: measured on H200 (Kimi-K3 QKVG
     alone, TP 8 and 4), its default was 5-23 % slower than cuBLAS at M = 96..256, so untuned calls go to cuBLAS."""
     if isinstance(tactic, WgmmaTactic):
         if not wgmma_serves(role, capability):
-            return (f"the wgmma kernel serves {', '.join(WGMMA_MAX_M_BY_ROLE)} on SM {WGMMA_MAJORS}, not {role} on "
-                    f"{capability}")
-        if m > max_m(role, capability):
-            return f"M > {max_m(role, capability)}"
+            return f"the wgmma kernel serves {', '.join(WGMMA_ROLES)} on SM {WGMMA_MAJORS}, not {role} on {capability}"
+        if m > WGMMA_MAX_M:
+            return f"M > {WGMMA_MAX_M}"
         return f"M > {SKINNY_MAX_M} without a tuned wgmma tactic" if m > SKINNY_MAX_M and not tuned else None
     return f"M > {SKINNY_MAX_M}" if m > SKINNY_MAX_M else None

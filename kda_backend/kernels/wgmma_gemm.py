@@ -31,8 +31,8 @@ the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs str
 
 Shapes N, K and the row strides are compile-time constants; M is a runtime value up to ``block_t * grid_y``. The
 kernel takes :class:`~kda_backend.kernels.skinny_gemm.SkinnyGemm`'s call signature, so the compile cache and the
-provider launch either. In the single-stream side chain (:class:`~kda_backend.kernels.skinny_gemm.Link`) it can be
-F_A/beta, the launch behind QKVG (``x_ready``, ``signals``), never the waiting F_B.
+provider launch either; it takes no part in the single-stream side chain
+(:class:`~kda_backend.kernels.skinny_gemm.Link`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 X_BOX_TOKENS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
-CLUSTER_SIZES = (1, 2, 4)  # tokens_on_m CTAs sharing activation tiles by multicast (portable cluster sizes)
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -80,7 +79,7 @@ SWIZZLE_ATOM_BYTES = 1024  # a 128-byte swizzle repeats every 8 rows of 128 byte
 # Bytes before the ring: the slots' mbarrier pairs and the split-K flag, rounded up to the ring's alignment (dynamic
 # shared memory starts 1024-byte aligned).
 RING_OFFSET_BYTES = SWIZZLE_ATOM_BYTES
-MAX_STAGES = 32  # slots of both rings: their 16-byte mbarrier pairs and the flag fit before the rings
+MAX_STAGES = 32  # their 16-byte mbarrier pairs and the flag fit before the ring
 MAX_DEFAULT_STAGES = 12  # the deepest ring the default and the candidates use
 MAX_ACC_REGISTERS = 128  # fp32 accumulators per consumer thread; more spill (255 registers per thread in all)
 TOKEN_TILES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # the token tiles the candidates use (any multiple of 8 runs)
@@ -109,14 +108,6 @@ class WgmmaTactic:
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
-    :param x_stages: with ``tokens_on_m``, the activations' own ring of this many K-tiles, filled ``stages -
-        x_stages`` K-tiles behind the weights' ring of ``stages``; 0: one ring whose slots hold both tiles. Weights
-        come from HBM and need a deep ring to stream; activations come from L2, so a shallow ring of them saves
-        shared memory (room for the side chain) without slowing the weights.
-    :param cluster: with ``tokens_on_m``, CTAs of neighbouring row blocks launched as one thread-block cluster that
-        share every activation tile: each loads its share of the tile's 8-token boxes by TMA multicast into every
-        CTA of the cluster, so L2 serves each activation byte once per cluster, not once per CTA. A slot is refilled
-        once the consumers of every CTA of the cluster freed it.
     """
 
     family: ClassVar[str] = "wgmma"
@@ -128,8 +119,6 @@ class WgmmaTactic:
     split_k: int = 1
     tokens_on_m: bool = False
     pdl: bool = True
-    cluster: int = 1
-    x_stages: int = 0
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -153,31 +142,17 @@ class WgmmaTactic:
         """fp32 accumulators each consumer thread holds."""
         return self.block_n * self.mma_tokens // self.consumer_warpgroups // WARPGROUP_THREADS
 
-    def w_tile_bytes(self) -> int:
-        """Bytes of one weight tile."""
-        return self.block_n * self.block_k * 2
-
-    def x_tile_bytes(self) -> int:
-        """Bytes loaded into one activation tile (the MMA's padding tokens stay unloaded)."""
-        return self.block_t * self.block_k * 2
-
     def stage_bytes(self) -> int:
-        """Bytes loaded into one slot of one ring, weight and activation tiles: what its transaction barrier
-        counts."""
-        return self.w_tile_bytes() + self.x_tile_bytes()
+        """Bytes loaded into one ring slot, weight and activation tiles: what its transaction barrier counts."""
+        return (self.block_n + self.block_t) * self.block_k * 2
 
     def slot_bytes(self) -> int:
-        """Shared memory of one slot of one ring: the MMA's whole activation tile beside the weight tile."""
+        """Shared memory of one ring slot: the MMA's whole activation tile (its padding tokens stay unloaded)."""
         return (self.block_n + self.mma_tokens) * self.block_k * 2
 
-    @property
-    def x_ring(self) -> int:
-        """Slots of activation tiles: the activations' own ring, else one per weight tile."""
-        return self.x_stages or self.stages
-
     def smem_bytes(self) -> int:
-        """The rings after the barrier area (the output tile reuses the drained rings)."""
-        return RING_OFFSET_BYTES + (self.stages * self.block_n + self.x_ring * self.mma_tokens) * self.block_k * 2
+        """The ring after the barrier area (the output tile reuses the drained ring)."""
+        return RING_OFFSET_BYTES + self.stages * self.slot_bytes()
 
     def with_activations_from_l2(self) -> WgmmaTactic:
         """Itself: the TMA unit reads activations from L2 already (API parity with
@@ -203,9 +178,8 @@ class WgmmaTactic:
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
-        ring = f"s{self.stages}" + (f"a{self.x_stages}" if self.x_stages else "")
-        order = ("m" if self.tokens_on_m else "") + (f"c{self.cluster}" if self.cluster > 1 else "")
-        return f"w{self.block_n}k{self.block_k}t{self.block_t}{ring}{split}{order}{'p' if self.pdl else ''}"
+        order = "m" if self.tokens_on_m else ""
+        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
 
     def for_tokens(self, m: int) -> WgmmaTactic:
         """This tactic with the token tile that runs ``m`` tokens: the smallest covering one (with ``tokens_on_m``
@@ -228,14 +202,6 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
-        if t.cluster not in CLUSTER_SIZES or row_blocks(n, t.block_n) % t.cluster:
-            return (f"cluster={t.cluster} must be one of {CLUSTER_SIZES} dividing the {row_blocks(n, t.block_n)} "
-                    f"row blocks of block_n={t.block_n}")
-        if t.x_stages and not 2 <= t.x_stages <= t.stages:
-            return f"x_stages={t.x_stages} must be 0 or from 2 to stages={t.stages}"
-    elif t.cluster != 1 or t.x_stages:
-        return (f"cluster={t.cluster}, x_stages={t.x_stages}: only tokens_on_m CTAs share activation tiles or give "
-                "them a ring of their own (swap-AB runs 1 and 0)")
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
@@ -245,25 +211,14 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
     if t.acc_registers() > MAX_ACC_REGISTERS:
         return (f"block_n={t.block_n} with block_t={t.block_t} needs {t.acc_registers()} accumulator registers per "
                 f"thread > {MAX_ACC_REGISTERS}")
-    if not 2 <= t.stages <= MAX_STAGES - t.x_stages:
-        return f"stages={t.stages} must be from 2 to {MAX_STAGES - t.x_stages} (both rings' mbarriers fit in 1 KB)"
+    if not 2 <= t.stages <= MAX_STAGES:
+        return f"stages={t.stages} must be from 2 to {MAX_STAGES}"
     if t.split_k < 1 or (k // t.block_k) % t.split_k:
         return f"split_k={t.split_k} must divide the {k // t.block_k} K-tiles"
     if t.smem_bytes() > MAX_SMEM_BYTES:
         return f"needs {t.smem_bytes()} B of shared memory > {MAX_SMEM_BYTES}"
     if x_row_stride % ELEMS_PER_COPY:
         return f"x row stride {x_row_stride} must be a multiple of {ELEMS_PER_COPY} elements (16 bytes, TMA)"
-    return None
-
-
-def validate_wgmma_link(link: Link, tactic: WgmmaTactic) -> str | None:
-    """``None`` if ``tactic`` can take part in the overlap on one stream as ``link`` says, else why not: the kernel
-    can be the launch behind QKVG (F_A/beta), never the one that waits (F_B), and only without a cluster."""
-    if link.waits:
-        return f"the wgmma kernel ({tactic.key()}) never waits on the side chain's counters"
-    if link != NO_LINK and (tactic.cluster > 1 or tactic.x_stages):
-        return (f"the wgmma kernel ({tactic.key()}) runs in clusters or with an activation ring of its own only "
-                "outside the single-stream side chain")
     return None
 
 
@@ -343,28 +298,10 @@ def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [deep, dataclasses.replace(deep, pdl=False), *(dataclasses.replace(probe, stages=s) for s in rings[1:])]
 
 
-def shared_activation_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
-    """The ``tokens_on_m`` tactics worth timing above :data:`TOKENS_ON_M_CANDIDATES_UP_TO` tokens, up to
-    :data:`MAX_TOKENS_ON_M`: :func:`tokens_on_m_rows` rows per CTA in clusters of 2 (where they divide the row
-    blocks), which halve the activation bytes L2 serves, with the activations in a ring of their own of 4 or 6
-    K-tiles behind 12 or 14 of weights, so the side chain keeps room beside them. Measured on H200 for Kimi-K3 TP 8,
-    QKVG alone with one ring of 10 K-tiles: 24.83 / 27.50 us at M = 96 / 128 in clusters of 2 against 26.55 / 31.52
-    without and 25.76 / 28.35 for swap-AB 64-row CTAs, but that ring leaves the side chain no room (the stage took
-    20 us longer); clusters of 4 took 39-43 us (`benchmarks/results/levers/wgmma-cluster-multicast.log`)."""
-    if not TOKENS_ON_M_CANDIDATES_UP_TO < m <= MAX_TOKENS_ON_M or k % 64:
-        return []
-    rows = tokens_on_m_rows(n)
-    cluster = 2 if row_blocks(n, rows) % 2 == 0 else 1
-    probe = WgmmaTactic(rows, 64, 64, 12, tokens_on_m=True, cluster=cluster).for_tokens(m)
-    found = [dataclasses.replace(probe, stages=stages, x_stages=x_stages) for stages, x_stages in ((12, 4), (12, 6),
-                                                                                                  (14, 4))]
-    return [t for t in found if validate_wgmma_tactic(t, n, k, k) is None]
-
-
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
     size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
-    :func:`tokens_on_m_tactics` and :func:`shared_activation_tactics`."""
+    and :func:`tokens_on_m_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -376,7 +313,7 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    for tactic in [default, *tokens_on_m_tactics(n, k, m), *shared_activation_tactics(n, k, m)]:
+    for tactic in [default, *tokens_on_m_tactics(n, k, m)]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
     return found
@@ -388,7 +325,9 @@ class WgmmaGemm:
     def __init__(
         self, tactic: WgmmaTactic, n: int, k: int, x_row_stride: int, w_row_stride: int, link: Link = NO_LINK
     ) -> None:
-        reason = validate_wgmma_link(link, tactic) or validate_wgmma_tactic(tactic, n, k, x_row_stride)
+        if link != NO_LINK:
+            raise ValueError(f"the wgmma kernel takes no part in the single-stream side chain, got {link}")
+        reason = validate_wgmma_tactic(tactic, n, k, x_row_stride)
         if reason is not None:
             raise ValueError(reason)
         if w_row_stride % ELEMS_PER_COPY:
@@ -402,8 +341,7 @@ class WgmmaGemm:
         """At compile time: the split-K operands are given exactly where the tactic splits, and no chain operands
         (a ``None`` compiles as a constant, so a stray operand would be ignored silently)."""
         t = self.tactic
-        used = {"m_work": t.uses_workspace, "m_arrivals": t.uses_workspace, "m_chain": self.link.signals,
-                "expected": False}
+        used = {"m_work": t.uses_workspace, "m_arrivals": t.uses_workspace, "m_chain": False, "expected": False}
         check_optional_operands(f"tactic {t.key()}", used, operands)
         unused = [name for name, value in operands.items() if not used[name] and value is not None]
         if unused:
@@ -424,9 +362,8 @@ class WgmmaGemm:
         """``out = x @ w.T``: ``m_x`` (M, K), ``m_w`` (N, K), ``m_out`` (M, N) contiguous, all bf16. With split-K,
         ``m_work`` the fp32 workspace of :meth:`WgmmaTactic.workspace_shape`, contiguous, and
         ``m_arrivals`` int32 arrival counters (one per output tile, :func:`wgmma_output_tiles`), zero on entry and
-        left zero on exit; else both ``None``. ``m_chain``: the stream's int32 chain counters where the link
-        signals, else ``None``; ``expected`` always ``None`` (the kernel never waits on the chain), kept for
-        :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
+        left zero on exit; else both ``None``. ``m_chain`` and ``expected`` are always ``None`` (no side-chain
+        role), kept for :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
         self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
         t = self.tactic
         dtype = m_w.element_type
@@ -439,13 +376,13 @@ class WgmmaGemm:
         )
         if cutlass.const_expr(t.tokens_on_m):
             tile_mnk = (t.mma_tokens, t.block_n, t.block_k)
-            s_x_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.x_ring)
+            s_x_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_w_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             # The same ring as boxes of 8 tokens: box j of slot s is rows 8j .. 8j + 7 of that slot's tile.
             x_box = (X_BOX_TOKENS, t.block_k)
             s_x_box_layout = hopper_helpers.make_smem_layout_a(
                 LayoutEnum.ROW_MAJOR, (X_BOX_TOKENS, t.block_n, t.block_k), dtype,
-                t.x_ring * t.mma_tokens // X_BOX_TOKENS,
+                t.stages * t.mma_tokens // X_BOX_TOKENS,
             )
         else:
             tile_mnk = (t.block_n, t.block_t, t.block_k)
@@ -456,19 +393,16 @@ class WgmmaGemm:
         w_tma, w_src = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
         )
-        # In a cluster each box is one multicast to every CTA of it (the atom itself does not split the box).
-        x_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if t.cluster > 1 else cpasync.CopyBulkTensorTileG2SOp()
-        x_tma, x_src = cpasync.make_tiled_tma_atom(x_op, m_x, s_x_box_layout, x_box)
+        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
         # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k).
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
         if cutlass.const_expr(m_work is not None):
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
         grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         self.kernel(
-            w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, m_chain, s_w_layout, s_x_layout, s_x_box_layout,
+            w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=[t.cluster, 1, 1] if t.cluster > 1 else None,
-                 smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -480,7 +414,6 @@ class WgmmaGemm:
         m_out_t: cute.Tensor,
         m_work: cute.Tensor | None,
         m_arrivals: cute.Tensor | None,
-        m_chain: cute.Tensor | None,
         s_w_layout: cute.ComposedLayout,
         s_x_layout: cute.ComposedLayout,
         s_x_box_layout: cute.ComposedLayout,
@@ -488,8 +421,8 @@ class WgmmaGemm:
     ):
         """``w_tma`` / ``w_src`` and ``x_tma`` / ``x_src``: the TMA atoms and their coordinate tensors over w (N, K)
         and x (M, K); ``m_out_t`` (N, M): out transposed; ``m_work`` (N, M, split_k): the split-K workspace, or
-        ``None`` as ``m_arrivals``; ``m_chain``: the chain counters where the link signals, else ``None``;
-        ``s_x_box_layout``: the activation ring as the TMA boxes fill it (``s_x_layout`` itself under swap-AB). Warps
+        ``None`` as ``m_arrivals``; ``s_x_box_layout``: the activation ring as the TMA boxes fill it (``s_x_layout``
+        itself under swap-AB). Warps
         ``0 .. 4 * consumer_warpgroups - 1`` consume, the last one produces."""
         t = self.tactic
         tidx, _, _ = cute.arch.thread_idx()
@@ -498,7 +431,7 @@ class WgmmaGemm:
         dtype = m_out_t.element_type
 
         smem = cutlass.memory.SmemAllocator()
-        barriers = smem.allocate_array(cutlass.Int64, 2 * (t.stages + t.x_stages), byte_alignment=8)
+        barriers = smem.allocate_array(cutlass.Int64, 2 * t.stages, byte_alignment=8)
         s_last = None
         if cutlass.const_expr(t.uses_workspace):
             s_last = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), SPLIT_K_FLAG_BYTES)
@@ -509,41 +442,23 @@ class WgmmaGemm:
         s_x_box = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_box_layout.inner, dtype=dtype),
                                    s_x_box_layout.outer)
 
-        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane); in a
-        # cluster lane r of every consumer warp arrives on CTA r's barrier, so a slot is free once the consumers of
-        # every CTA the producer multicasts into have freed it. The cluster runs along the rows, which are the MMA's
-        # N with tokens_on_m: its CTAs share the A operand (multicast mode m). create() syncs the cluster after
-        # initialising the barriers, before any multicast can land.
-        # The activations' ring (with x_stages; else the one ring) is the cluster's, the weights' own the CTA's.
-        x_ring_loop = pipeline.PipelineTmaAsync.create(
+        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane).
+        mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
-            num_stages=t.x_ring,
+            num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster * t.consumer_threads // 32),
-            tx_count=t.x_tile_bytes() if t.x_stages else t.stage_bytes(),
-            cta_layout_vmnk=cute.make_layout((1, 1, t.cluster, 1)),
-            mcast_mode_mn=(1, 0) if t.cluster > 1 else (1, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
+            tx_count=t.stage_bytes(),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
-        mainloop, x_loop = x_ring_loop, None
-        if cutlass.const_expr(t.x_stages):
-            x_loop = x_ring_loop
-            mainloop = pipeline.PipelineTmaAsync.create(
-                barrier_storage=barriers + 2 * t.x_stages,
-                num_stages=t.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
-                tx_count=t.w_tile_bytes(),
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            )
 
-        self._tile_per_cta(mainloop, x_loop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
-                           m_arrivals, m_chain, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
+        self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
+                           m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
 
     @cute.jit
-    def _tile_per_cta(self, mainloop, x_loop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
-                      m_arrivals, m_chain, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz):
-        """One output tile (row block ``bidx``, token tile ``bidy``) and K-split ``bidz`` per CTA. ``mainloop``:
-        the ring's pipeline (the weights' with x_stages), ``x_loop``: the activations' own, or ``None``."""
+    def _tile_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
+                      m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz):
+        """One output tile (row block ``bidx``, token tile ``bidy``) and K-split ``bidz`` per CTA."""
         t = self.tactic
         m_tokens = m_out_t.shape[1]
         k_tiles = self.k // t.block_k // t.split_k
@@ -552,10 +467,7 @@ class WgmmaGemm:
         t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w, s_x_box, bidx, bidy)
 
         if warp == t.consumer_threads // 32:
-            if cutlass.const_expr(t.x_stages):
-                self._produce_two_rings(mainloop, x_loop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_tiles)
-            else:
-                self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_first, k_tiles)
+            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidy, k_first, k_tiles)
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
@@ -565,19 +477,15 @@ class WgmmaGemm:
             # The MMAs' (rows, tokens) tile, staged in the drained ring on its way out.
             s_o = cute.make_tensor(ring, cute.make_layout((t.block_n, t.mma_tokens), stride=(1, t.block_n)))
             thr_mma = tiled_mma.get_slice(tidx)
-            acc = self._consume(mainloop, x_loop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
+            acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
             if cutlass.const_expr(t.split_k > 1):
                 self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
                                      bidx, bidy, bidz, tidx)
                 # Only the CTA that arrived last holds the full sum; the others are done.
                 if s_last[0] == t.split_k - 1:
                     self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
-                    if cutlass.const_expr(self.link.signals):
-                        self._signal(m_chain, tidx)
             else:
                 self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
-                if cutlass.const_expr(self.link.signals):
-                    self._signal(m_chain, tidx)
 
     def _tma_views(self, w_tma, w_src, x_tma, x_src, s_w, s_x_box, row_block, token_tile):
         """The TMA partitions ``(t_sw, t_gw, t_sx, t_gx)`` of the weight and activation tiles: the shared ring's
@@ -599,11 +507,10 @@ class WgmmaGemm:
         return t_sw, t_gw, t_sx, t_gx
 
     @cute.jit
-    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, row_block, token_tile, k_first,
+    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, token_tile, k_first,
                  k_tiles: cutlass.Constexpr[int]):
-        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it
-        (in a cluster: the consumers of every CTA of it). The TMA copies elect their issuing lane themselves; the
-        whole warp runs this."""
+        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it.
+        The TMA copies elect their issuing lane themselves; the whole warp runs this."""
         t = self.tactic
         cpasync.prefetch_descriptor(w_tma)
         cpasync.prefetch_descriptor(x_tma)
@@ -617,102 +524,37 @@ class WgmmaGemm:
             cute.copy(w_tma, t_gw[None, k_first + s], t_sw[None, s], tma_bar_ptr=mainloop.producer_get_barrier(state),
                       cache_policy=w_policy)
             state.advance()
-        if cutlass.const_expr(self.link.x_ready and t.pdl):
-            # Launched behind QKVG's wait for x: x is complete, and the next launch (F_B) may start at once.
-            cute.arch.griddepcontrol_launch_dependents()
-        elif cutlass.const_expr(t.pdl):
+        if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
             # The CTA releases the next kernel here, once x is complete: its weight prologue overlaps our tail.
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(prologue):
-            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k_first + s, s,
-                         mainloop.sync_object_full.get_barrier(s), x_policy)
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + s, s, mainloop.sync_object_full.get_barrier(s),
+                         x_policy)
         for k in cutlass.range(prologue, k_tiles, unroll=1):
             mainloop.producer_acquire(state)
             bar = mainloop.producer_get_barrier(state)
             cute.copy(w_tma, t_gw[None, k_first + k], t_sw[None, state.index], tma_bar_ptr=bar, cache_policy=w_policy)
-            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k_first + k, state.index, bar, x_policy)
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
-        if cutlass.const_expr(self.link.x_ready and t.pdl):
-            # Never complete before the launch before this one (QKVG): kernels after the side chain wait for it.
-            cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(t.cluster > 1):
-            # The CTA stays until the cluster's consumers freed its last slots: they arrive on its barriers remotely.
-            mainloop.producer_tail(state)
 
-    @cute.jit
-    def _produce_two_rings(self, mainloop, x_loop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, row_block, token_tile,
-                           k_tiles: cutlass.Constexpr[int]):
-        """The producer warp with x_stages: the weights' ring runs ``stages - x_stages`` K-tiles ahead of the
-        activations'. Both slots it waits for in one step free with the same K-tile, so neither ring waits on the
-        other. Weights of the first ``stages`` K-tiles start before the PDL wait, as in :meth:`_produce`."""
-        t = self.tactic
-        cpasync.prefetch_descriptor(w_tma)
-        cpasync.prefetch_descriptor(x_tma)
-        w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
-        w_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
-        x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.x_stages)
-        lag = t.stages - t.x_stages
-        for k in cutlass.range_constexpr(min(t.stages, k_tiles)):
-            mainloop.producer_acquire(w_state)  # the ring starts empty: no wait
-            cute.copy(w_tma, t_gw[None, k], t_sw[None, k], tma_bar_ptr=mainloop.producer_get_barrier(w_state),
-                      cache_policy=w_policy)
-            w_state.advance()
-        if cutlass.const_expr(t.pdl):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
-        for k in cutlass.range_constexpr(min(t.x_stages, k_tiles)):
-            x_loop.producer_acquire(x_state)
-            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k, k, x_loop.producer_get_barrier(x_state),
-                         x_policy)
-            x_state.advance()
-        for k in cutlass.range(t.stages, k_tiles, unroll=1):
-            mainloop.producer_acquire(w_state)
-            bar = mainloop.producer_get_barrier(w_state)
-            cute.copy(w_tma, t_gw[None, k], t_sw[None, w_state.index], tma_bar_ptr=bar, cache_policy=w_policy)
-            w_state.advance()
-            x_loop.producer_acquire(x_state)
-            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k - lag, x_state.index,
-                         x_loop.producer_get_barrier(x_state), x_policy)
-            x_state.advance()
-        # The activations of the last K-tiles, whose weights were issued ahead.
-        for k in cutlass.range(max(min(t.x_stages, k_tiles), k_tiles - lag), k_tiles, unroll=1):
-            x_loop.producer_acquire(x_state)
-            self._load_x(x_tma, t_gx, t_sx, row_block, token_tile, k, x_state.index,
-                         x_loop.producer_get_barrier(x_state), x_policy)
-            x_state.advance()
-        if cutlass.const_expr(t.cluster > 1):
-            x_loop.producer_tail(x_state)
-
-    @cute.jit
-    def _load_x(self, x_tma, t_gx, t_sx, row_block, token_tile, k, slot, bar, policy) -> None:
+    def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
-        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded). In a cluster
-        the CTA of rank r loads boxes r, r + cluster, ..., each multicast into every CTA of the cluster."""
+        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
         t = self.tactic
-        if cutlass.const_expr(t.tokens_on_m and t.cluster > 1):
+        if t.tokens_on_m:  # traced once per box: a static loop
             boxes, per_slot = t.block_t // X_BOX_TOKENS, t.mma_tokens // X_BOX_TOKENS
-            everyone = cutlass.Int16((1 << t.cluster) - 1)
-            rank = row_block % t.cluster  # the cluster runs along the row blocks (grid x)
-            for i in cutlass.range_constexpr(-(-boxes // t.cluster)):
-                j = rank + i * t.cluster
-                if j < boxes:  # false only in the last round where the cluster does not divide the boxes
-                    cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * per_slot + j],
-                              tma_bar_ptr=bar, mcast_mask=everyone, cache_policy=policy)
-        elif cutlass.const_expr(t.tokens_on_m):
-            boxes, per_slot = t.block_t // X_BOX_TOKENS, t.mma_tokens // X_BOX_TOKENS
-            for j in cutlass.range_constexpr(boxes):
+            for j in range(boxes):
                 cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * per_slot + j],
                           tma_bar_ptr=bar, cache_policy=policy)
         else:
             cute.copy(x_tma, t_gx[None, k], t_sx[None, slot], tma_bar_ptr=bar, cache_policy=policy)
 
     @cute.jit
-    def _consume(self, mainloop, x_loop, tiled_mma, thr_mma, s_w, s_x, s_o,
-                 k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
-        """The consumer warpgroups: accumulate this CTA's K-tiles, one K-tile of MMAs in flight; each slot (of
-        both rings with x_stages) is freed once the MMAs reading it completed. Returns the fp32 accumulator fragment
-        of the (rows, tokens) tile ``s_o`` (block_n, mma_tokens)."""
+    def _consume(self, mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
+        """The consumer warpgroups: accumulate this CTA's K-tiles, one K-tile of MMAs in flight; each slot is freed
+        once the MMAs reading it completed. Returns the fp32 accumulator fragment of the (rows, tokens) tile ``s_o``
+        (block_n, mma_tokens)."""
         t = self.tactic
         s_a, s_b = (s_x, s_w) if t.tokens_on_m else (s_w, s_x)
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
@@ -722,45 +564,25 @@ class WgmmaGemm:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        read_x = release_x = None  # one ring: the activations' slot is the weights'
-        if cutlass.const_expr(t.x_stages):
-            read_x = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.x_stages)
-            release_x = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.x_stages)
-        self._mma_tile(mainloop, x_loop, tiled_mma, acc, t_ra, t_rb, read, read_x)
+        self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
         read.advance()
-        if cutlass.const_expr(t.x_stages):
-            read_x.advance()
         for _ in cutlass.range(1, k_tiles, unroll=1):
-            self._mma_tile(mainloop, x_loop, tiled_mma, acc, t_ra, t_rb, read, read_x)
+            self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
             read.advance()
-            if cutlass.const_expr(t.x_stages):
-                read_x.advance()
-            # The K-tile before this one is done: its slots may be refilled.
+            # The K-tile before this one is done: its slot may be refilled.
             warpgroup.wait_group(1)
             mainloop.consumer_release(release)
             release.advance()
-            if cutlass.const_expr(t.x_stages):
-                x_loop.consumer_release(release_x)
-                release_x.advance()
         warpgroup.wait_group(0)
-        if cutlass.const_expr(t.cluster > 1 and t.x_stages):
-            x_loop.consumer_release(release_x)  # the cluster's producers wait for every slot before they exit
-        elif cutlass.const_expr(t.cluster > 1):
-            mainloop.consumer_release(release)
         return acc
 
     @cute.jit
-    def _mma_tile(self, mainloop, x_loop, tiled_mma, acc, t_ra, t_rb, read, read_x):
-        """Wait for the ring slot ``read`` (with x_stages: the weights', and the activations' ``read_x``, else
-        ``None``) and issue its MMAs (one commit group)."""
+    def _mma_tile(self, mainloop, tiled_mma, acc, t_ra, t_rb, read):
+        """Wait for the ring slot ``read`` and issue its MMAs (one commit group)."""
         mainloop.consumer_wait(read)
-        a_slot = b_slot = read.index
-        if cutlass.const_expr(self.tactic.x_stages):
-            x_loop.consumer_wait(read_x)
-            a_slot = read_x.index  # x_stages runs tokens_on_m only: the activations are the MMA's A
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            cute.gemm(tiled_mma, acc, t_ra[None, None, kb, a_slot], t_rb[None, None, kb, b_slot], acc)
+            cute.gemm(tiled_mma, acc, t_ra[None, None, kb, read.index], t_rb[None, None, kb, read.index], acc)
         warpgroup.commit_group()
 
     def _mma_view(self, tile: cute.Tensor) -> cute.Tensor:
@@ -769,14 +591,6 @@ class WgmmaGemm:
         if self.tactic.tokens_on_m:
             return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
         return tile
-
-    @cute.jit
-    def _signal(self, m_chain, tidx):
-        """Count this CTA's stored tile in on ``chain[0]``; release: the whole tile is visible device-wide first."""
-        cute.arch.fence_acq_rel_gpu()
-        self._consumers_sync()
-        if tidx == 0:
-            cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
 
     def _consumers_sync(self) -> None:
         """Barrier of the consumer warpgroups only (the producer warp may have exited)."""

@@ -34,17 +34,10 @@ from kda_backend.kernels.skinny_gemm import (
     Link,
     Tactic,
     output_tiles,
+    validate_link,
     validate_tactic,
 )
-from kda_backend.kernels.tactics import (
-    AnyTactic,
-    default_for,
-    for_m,
-    max_m,
-    validate_any,
-    validate_any_link,
-    why_not_for,
-)
+from kda_backend.kernels.tactics import AnyTactic, default_for, for_m, max_m, validate_any, why_not_for
 from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.log import warn_once
 from kda_backend.providers.base import (
@@ -142,12 +135,9 @@ class CuteDslProvider(GemmProvider):
             raise ValueError(f"{role}: out must be contiguous [M, N], got stride {out.stride()}")
         launch(self.tactic(_calls(x, {role: (w, x)})[role]), x, w, out, self.kernel_folder())
 
-    def trailing_tactics(self, calls: dict[str, GemmCall]) -> tuple[AnyTactic, Tactic]:
-        """F_A/beta's and F_B's tactics, with activations from L2 (see :meth:`trailing_launcher`); a wgmma F_A/beta
-        tactic as it is (its activations come by TMA, through L2)."""
-        fab = self.tactic(calls["fab"])
-        if isinstance(fab, Tactic):
-            fab = dataclasses.replace(fab, x_via_l1=False)
+    def trailing_tactics(self, calls: dict[str, GemmCall]) -> tuple[Tactic, Tactic]:
+        """F_A/beta's and F_B's tactics, with activations from L2 (see :meth:`trailing_launcher`)."""
+        fab = dataclasses.replace(self.tactic(calls["fab"]), x_via_l1=False)
         fb = self.tactic(calls["fb"]).with_activations_from_l2()
         return fab, fb
 
@@ -161,7 +151,7 @@ class CuteDslProvider(GemmProvider):
             # F_A/beta starts beside QKVG without waiting for it (x_ready) and counts its tiles in on the stream's
             # split-K arrival counters, which a split-K QKVG is still using.
             return "qkvg and fab both count tiles in: they would share the stream's arrival counters at once"
-        return validate_any_link(SIGNALS, fab) or validate_any_link(WAITS, fb)
+        return validate_link(SIGNALS, fab) or validate_link(WAITS, fb)
 
     def trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
         """See :meth:`GemmProvider.trailing_launcher`: ``fab = x @ w_fab.T`` launched as soon as every QKVG CTA
@@ -179,15 +169,14 @@ class CuteDslProvider(GemmProvider):
     def _new_trailing_launcher(self, calls: dict[str, GemmCall]) -> TrailingLauncher:
         fab_call, fb_call = calls["fab"], calls["fb"]
         fab_tactic, fb_tactic = self.trailing_tactics(calls)
-        reason = validate_any_link(SIGNALS, fab_tactic) or validate_any_link(WAITS, fb_tactic)
+        reason = validate_link(SIGNALS, fab_tactic) or validate_link(WAITS, fb_tactic)
         if reason is not None:
             raise ValueError(f"trailing side chain: {reason}")
         device = _current_device()
         per_stream = _side_chain_operands(fab_tactic, fab_call, device)
         # One launch where the tactics allow and its first-use check can run (not inside a capture: a launcher first
         # built there takes the two-launch form, the same bits).
-        one_launch = (isinstance(fab_tactic, Tactic) and why_not_one_launch(fab_tactic, fb_tactic) is None
-                      and fb_call.x_row_stride == fab_call.n)
+        one_launch = why_not_one_launch(fab_tactic, fb_tactic) is None and fb_call.x_row_stride == fab_call.n
         if one_launch and not torch.cuda.is_current_stream_capturing():
             fab_key = kernel_key(fab_tactic, fab_call.n, fab_call.k, fab_call.x_row_stride, fab_call.w_row_stride,
                                  device)
@@ -243,8 +232,6 @@ class CuteDslProvider(GemmProvider):
         qkvg = self.stage_tactic(calls)
         if qkvg is None:
             return "QKVG runs the wgmma kernel or splits K"
-        if not isinstance(self.trailing_tactics(calls)[0], Tactic):
-            return "F_A/beta runs the wgmma kernel"
         if qkvg.block_t != STAGE_TOKEN_TILE:
             # Over two or more token tiles QKVG's 16-row CTAs take several waves: at 32 tokens the one launch took
             # 46.6 us of GPU time on an H200 against 26.7 us for QKVG with its trailing side chain.
