@@ -60,6 +60,17 @@ def test_exit_2_without_cuda(name, argv, tools_on_path, monkeypatch, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
+def test_stage_forms_names_an_unreadable_plan_file(tools_on_path, tmp_path):
+    import stage_forms
+
+    bad = tmp_path / "plan.json"
+    bad.write_text("{not json")
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as exit_info:
+            stage_forms.main(["16", "--plan", str(path)])
+        assert str(exit_info.value.code).startswith(f"--plan {path}: ")
+
+
 def test_tactic_keys(tools_on_path):
     from stage_operands import parse_tactic, token_counts
 

@@ -53,11 +53,15 @@ def parse_tactic(spec: str, m: int) -> AnyTactic:
     )
 
 
+def role_shape(g: KDAGeometry, role: str) -> tuple[int, int]:
+    """``(N, K)`` of the GEMM ``role`` (``qkvg``, ``fab`` or ``fb``) performs in geometry ``g``."""
+    return {"qkvg": (g.qkvg_rows, g.hidden_size), "fab": (g.fab_rows, g.hidden_size),
+            "fb": (g.local_width, g.head_dim)}[role]
+
+
 def tactic_or_default(spec: str | None, role: str, g: KDAGeometry, m: int) -> AnyTactic:
     """The tactic ``spec`` names (see :data:`TACTIC_HELP`), else ``role``'s default tactic at ``m`` tokens."""
-    n, k = {"qkvg": (g.qkvg_rows, g.hidden_size), "fab": (g.fab_rows, g.hidden_size),
-            "fb": (g.local_width, g.head_dim)}[role]
-    return parse_tactic(spec, m) if spec else default_tactic(n, k, m)
+    return parse_tactic(spec, m) if spec else default_tactic(*role_shape(g, role), m)
 
 
 def kimi_k3_tp8() -> tuple[KDAGeometry, list[ProjectionWeights], torch.cuda.Stream]:
