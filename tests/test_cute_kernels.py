@@ -114,6 +114,18 @@ def test_candidates_are_valid_and_include_default():
     assert default_tactic(n, k, 4) in cands
 
 
+def test_no_candidate_ring_is_deeper_than_its_k_tiles():
+    """F_B (K = 128: one 128-element K-tile) is timed with 2-slot rings only; wider K keeps its deeper rings."""
+    for tp in (4, 8, 16):
+        for n, k, xs in _roles(tp).values():
+            for m in (1, 16, 64):
+                cands = candidate_tactics(n, k, m, xs)
+                assert cands and all(c.stages <= max(2, k // c.block_k // c.split_k) for c in cands)
+        fb_n, fb_k, fb_xs = _roles(tp)["fb"]
+        assert {c.stages for c in candidate_tactics(fb_n, fb_k, 64, fb_xs)} == {2}
+    assert {c.stages for c in candidate_tactics(6144, 7168, 16, 7168)} == {2, 3, 4, 6}
+
+
 def test_partial_row_block_runs_n_as_rounded_up_to_16_rows():
     """N % 16 == 8 (SGLang's F_A/beta: 152 rows at TP4, 136 at TP16) has the tactics, tiles and CTAs of 8 rows more,
     the last row block partial; for N % 16 == 0 every candidate's row blocks still divide N."""
