@@ -45,6 +45,17 @@ def test_f_a_beta_candidates_fill_the_free_slots_and_nothing_else():
     assert wide_tokens and all(t.block_t == 64 for t in wide_tokens)
 
 
+def test_spare_slot_rings_are_filled_by_their_k_tiles():
+    """Beside 128 tokens-on-M QKVG CTAs (one per SM) F_B's one K-tile gets 2-slot rings only, where a deeper ring
+    would be padding; F_A/beta's 14-way split (4 K-tiles per CTA) keeps its 2-4 slot rings."""
+    qkvg = WgmmaTactic(48, 64, 64, 8, tokens_on_m=True, pdl=True).for_tokens(64)
+    ctas = qkvg.ctas(TP8.qkvg_rows, 64)
+    fb = spare_slot_tactics(TP8.local_width, TP8.head_dim, 64, TP8.fab_rows, qkvg, ctas, H200)
+    assert fb and {t.stages for t in fb} == {2}
+    fab = spare_slot_tactics(TP8.fab_rows, TP8.hidden_size, 64, TP8.hidden_size, qkvg, ctas, H200)
+    assert {(t.stages, t.split_k) for t in fab} == {(2, 14), (3, 14), (4, 14)}
+
+
 @pytest.mark.parametrize(
     "n,k,main_ctas,why",
     [

@@ -15,7 +15,14 @@ import itertools
 
 import torch
 
-from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, padded_rows, row_blocks, validate_tactic
+from kda_backend.kernels.skinny_gemm import (
+    Tactic,
+    block_t_for,
+    fills_its_ring,
+    padded_rows,
+    row_blocks,
+    validate_tactic,
+)
 
 SMEM_RESERVED_PER_CTA = 1024  # shared memory the driver keeps per resident CTA (SM 8.0 and later)
 MAX_CTAS_PER_SM = 32
@@ -62,8 +69,10 @@ def spare_slot_tactics(
 ) -> list[Tactic]:
     """Tactics for a GEMM ``[M, K] x [N, K]^T`` that runs beside ``main_ctas`` CTAs of ``main`` in their free
     slots only: as many CTAs as there are free slots at most (the most of any row-block x split-K layout), each too
-    large for an SM full of ``main``'s CTAs but not for one missing a CTA; the smallest such ring depths, each with
-    activations from L2, through L1 and by TMA. Empty when ``main`` leaves no slot free or nothing fits."""
+    large for an SM full of ``main``'s CTAs but not for one missing a CTA; the smallest such ring depths that the
+    CTA's K-tiles fill (:func:`~kda_backend.kernels.skinny_gemm.fills_its_ring`: F_B's one K-tile takes 2 slots,
+    not a deeper ring as padding), each with activations from L2, through L1 and by TMA. Empty when ``main`` leaves
+    no slot free or nothing fits."""
     spare = spare_slots(main, main_ctas, budget)
     if spare == 0 or k % SIDE_BLOCK_K:
         return []
@@ -88,7 +97,8 @@ def spare_slot_tactics(
             continue
         depths = [
             stages for stages in range(2, 16)
-            if only_in_free_slot(Tactic(block_n, SIDE_BLOCK_K, block_t, stages, split_k=split_k))
+            if only_in_free_slot(probe := Tactic(block_n, SIDE_BLOCK_K, block_t, stages, split_k=split_k))
+            and fills_its_ring(probe, k)
         ][:SIDE_STAGE_COUNTS]
         for stages, x_path in itertools.product(depths, X_PATHS):
             tactic = Tactic(block_n, SIDE_BLOCK_K, block_t, stages, split_k=split_k, **x_path)

@@ -297,10 +297,10 @@ def default_tactic(n: int, k: int, m: int) -> Tactic:
 
 
 def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]:
-    """Tactics worth timing for one GEMM (the autotuner's search space). No ring is deeper than a CTA's K-tiles
-    (or 2): the kernel fills only as many slots as it has tiles, so a deeper ring computes the same bits in more
-    shared memory. Measured on H200 for Kimi-K3 TP8 F_B (one K-tile) at M = 40 / 64: 4 slots against 2 took the
-    stage 31.1 / 33.7 us against 27.3 / 29.1 without a fork (side chain trailing QKVG), forked within 0.2 us."""
+    """Tactics worth timing for one GEMM (the autotuner's search space), each filling its ring
+    (:func:`fills_its_ring`). Measured on H200 for Kimi-K3 TP8 F_B (one K-tile) at M = 40 / 64: 4 slots against 2
+    took the stage 31.1 / 33.7 us against 27.3 / 29.1 without a fork (side chain trailing QKVG), forked within
+    0.2 us."""
     block_t = block_t_for(m)
     found = []
     k_tiles_128 = k // 128
@@ -310,7 +310,7 @@ def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]
         for stages in (2, 3):
             for via_l1 in (True, False):
                 tactic = Tactic(16, 128, block_t, stages, x_via_l1=via_l1, split_k=split_k)
-                if split_k > 1 and _fills_its_ring(tactic, k) and validate_tactic(tactic, n, k, x_row_stride) is None:
+                if split_k > 1 and fills_its_ring(tactic, k) and validate_tactic(tactic, n, k, x_row_stride) is None:
                     found.append(tactic)
     x_paths = ({"x_via_l1": False}, {"x_via_l1": True}, {"x_via_l1": False, "x_tma": True})
     if m == 1:
@@ -320,13 +320,15 @@ def candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[Tactic]
             for stages in (2, 3, 4, 6):
                 for x_path in x_paths:
                     tactic = Tactic(block_n, block_k, block_t, stages, **x_path)
-                    if _fills_its_ring(tactic, k) and validate_tactic(tactic, n, k, x_row_stride) is None:
+                    if fills_its_ring(tactic, k) and validate_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     return found
 
 
-def _fills_its_ring(tactic: Tactic, k: int) -> bool:
-    """Whether a CTA of ``tactic`` over ``k`` has a K-tile for every slot of its ring (any 2-slot ring does)."""
+def fills_its_ring(tactic: Tactic, k: int) -> bool:
+    """Whether a CTA of ``tactic`` over ``k`` has a K-tile for every slot of its ring (any 2-slot ring does): the
+    kernel fills only as many slots as it has tiles, so a deeper ring computes the same bits in more shared memory,
+    which costs the side chain trailing QKVG on one stream (see :func:`candidate_tactics`)."""
     return tactic.stages <= max(2, k // tactic.block_k // tactic.split_k)
 
 
