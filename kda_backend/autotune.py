@@ -56,7 +56,7 @@ DEFAULT_MS = engine_batch_sizes("all")
 BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 64), 128: (96, 128), 256: (192, 256)}
 # wgmma QKVG candidates timed alone per bucket, and how many of them go on to the overlapped stage (besides the
 # fastest one that leaves room for the side chain, see _wgmma_finalists).
-WGMMA_CANDIDATES = 11
+WGMMA_CANDIDATES = 9
 WGMMA_FINALISTS = 2
 FINALISTS = 4  # in-stage candidates timed again
 RETIMING_ROUNDS = 2

@@ -17,7 +17,6 @@ from kda_backend.kernels.wgmma_gemm import (
     WgmmaTactic,
     default_wgmma_tactic,
     leaves_room,
-    split_tokens_on_m_tactics,
     tokens_on_m_tactics,
     validate_wgmma_tactic,
     wgmma_block_t_for,
@@ -51,34 +50,10 @@ def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
     for change, reason in [({"block_t": 136}, "block_t=136 must be a multiple of 8 from 8 to 128"),
                            ({"block_n": 44}, "block_n=44 must be a multiple of 8"),
                            ({"block_k": 128}, "block_k=128: tokens_on_m loads 8-token boxes"),
-                           ({"split_k": 3}, "split_k=3: tokens_on_m splits K in one cluster per tile")]:
+                           ({"split_k": 2}, "split_k=2: tokens_on_m runs unsplit")]:
         assert reason in validate_wgmma_tactic(dataclasses.replace(tactic, **change), QKVG_TP8, K, K)
     tactic = WgmmaTactic()
     assert tactic.with_activations_from_l2() is tactic and tactic.family == "wgmma"
-
-
-def test_tokens_on_m_splits_k_in_a_cluster_without_workspace():
-    """Split along K, tokens-on-M CTAs of one tile form a cluster and sum their partials through distributed shared
-    memory: no workspace or counters, the fp32 partial of the MMA's whole tile staged in the drained ring."""
-    tactic = WgmmaTactic(96, 64, 128, 8, split_k=2, tokens_on_m=True)
-    assert tactic.in_cluster and not tactic.uses_workspace and tactic.key() == "w96k64t128s8x2mp"
-    assert tactic.ctas(QKVG_TP8, 128) == 128 and tactic.acc_registers() == 48
-    assert tactic.partial_bytes() == 96 * 128 * 4 < tactic.stages * tactic.slot_bytes()
-    assert dataclasses.replace(tactic, stages=1).smem_bytes() == 1024 + 96 * 128 * 4
-    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
-    assert not WgmmaTactic(64, 64, 64, 8, split_k=2).in_cluster
-
-
-@pytest.mark.parametrize("n,rows", [(QKVG_TP8, 96), (QKVG_TP4, 192), (3072, 48)])
-@pytest.mark.parametrize("m", [17, 64, 72, 128])
-def test_split_tokens_on_m_candidates_keep_the_cta_count(n, rows, m):
-    """Twice the unsplit tokens-on-M rows, split in two: as many CTAs; the deepest ring and one that leaves room."""
-    tactics = split_tokens_on_m_tactics(n, K, m)
-    assert tactics and all(t.block_n == rows and t.split_k == 2 and t.tokens_on_m for t in tactics)
-    assert all(t.ctas(n, m) == tokens_on_m_tactics(n, K, 64)[0].ctas(n, 64) for t in tactics)
-    assert any(leaves_room(t) for t in tactics)
-    assert all(t in wgmma_candidate_tactics(n, K, m, K) for t in tactics)
-    assert split_tokens_on_m_tactics(n, K, 129) == []
 
 
 def test_workspace_and_ctas_by_schedule():
@@ -195,8 +170,6 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 64, 10, tokens_on_m=True), QKVG_TP8),
     (WgmmaTactic(96, 64, 104, 6, tokens_on_m=True, pdl=False), QKVG_TP4),
     (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True), 136),
-    (WgmmaTactic(96, 64, 128, 8, split_k=2, tokens_on_m=True), QKVG_TP8),
-    (WgmmaTactic(40, 64, 72, 6, split_k=4, tokens_on_m=True, pdl=False), 152),
 ]
 
 
@@ -272,20 +245,8 @@ def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 40, 64, 72, 100, 128], ids=lambda m: f"M{m}")
-def test_tokens_on_m_split_in_a_cluster_matches_reference(m):
-    """Split-K summed in a cluster: in split order (bit-identical relaunches), real tokens and rows only: rows past N
-    (152 rows in four 40-row blocks, split in 4), tiles smaller than M (two token tiles)."""
-    _check(WgmmaTactic(96, 64, 64, 8, split_k=2, tokens_on_m=True).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(192, 64, 64, 5, split_k=2, tokens_on_m=True).for_tokens(m), m, QKVG_TP4, seed=m)
-    _check(WgmmaTactic(40, 64, 64, 6, split_k=4, tokens_on_m=True, pdl=False).for_tokens(m), m, 152, seed=m)
-    _check(WgmmaTactic(96, 64, 8 * (m // 16) or 8, 6, split_k=2, tokens_on_m=True), m, QKVG_TP8, seed=m)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
-                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True),
-                                    WgmmaTactic(96, 64, 104, 8, split_k=2, tokens_on_m=True)],
+                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""

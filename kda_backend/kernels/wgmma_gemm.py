@@ -22,8 +22,7 @@ the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs str
   before. No cross-warp reduction and no floating-point atomics, so results are bitwise deterministic; split-K
   (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, with the protocol of
   :class:`~kda_backend.kernels.skinny_gemm.Tactic`'s split-K (fp32 workspace, per-tile arrival counters that the
-  last CTA resets), or with ``tokens_on_m`` within the tile's thread-block cluster: each CTA stages its partial in
-  its drained ring and sums its share of the tile from every CTA's through distributed shared memory.
+  last CTA resets).
 - Programmatic dependent launch: the producer issues the weight tiles of the prologue before
   ``griddepcontrol.wait``, so they stream while the previous kernel (which produced x) drains; only activation
   loads wait for it.
@@ -50,7 +49,6 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass.utils import hopper_helpers
 
 from kda_backend.kernels.arrival_counters import SPLIT_K_COUNTERS
-from kda_backend.kernels.cluster_smem import VECTOR_FLOATS, load_peer_f32x4
 from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_policy
 from kda_backend.kernels.skinny_gemm import (
     COPY_BITS,
@@ -72,7 +70,6 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 X_BOX_TOKENS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
-CLUSTER_SPLITS = (1, 2, 4)  # tokens_on_m split-K: CTAs of one tile's cluster (portable sizes that fit a GPC)
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -107,11 +104,9 @@ class WgmmaTactic:
     :param split_k: CTAs sharing one output tile along K (grid z), for N too small to give every SM a row block.
         Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
         counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
-        With ``tokens_on_m`` (2 or 4) the tile's CTAs form one thread-block cluster instead: each stages its partial
-        in its drained ring and sums its share of the tile from every CTA's, in split order (no workspace).
     :param tokens_on_m: the tokens fill the MMA's M side and the weight rows its N side, instead of swap-AB
-        (64-element K-tiles). A CTA may then own fewer than 64 weight rows, so more CTAs stream the weights; or,
-        split along K, more rows, so each activation byte it loads feeds more MMAs.
+        (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
+        weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
     """
 
@@ -155,18 +150,9 @@ class WgmmaTactic:
         """Shared memory of one ring slot: the MMA's whole activation tile (its padding tokens stay unloaded)."""
         return (self.block_n + self.mma_tokens) * self.block_k * 2
 
-    @property
-    def in_cluster(self) -> bool:
-        """Whether the split-K partials are summed in a thread-block cluster (``tokens_on_m``), not a workspace."""
-        return self.split_k > 1 and self.tokens_on_m
-
-    def partial_bytes(self) -> int:
-        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile (0 otherwise)."""
-        return self.block_n * self.mma_tokens * 4 if self.in_cluster else 0
-
     def smem_bytes(self) -> int:
-        """The ring after the barrier area (the output tile and an in-cluster partial reuse the drained ring)."""
-        return RING_OFFSET_BYTES + max(self.stages * self.slot_bytes(), self.partial_bytes())
+        """The ring after the barrier area (the output tile reuses the drained ring)."""
+        return RING_OFFSET_BYTES + self.stages * self.slot_bytes()
 
     def with_activations_from_l2(self) -> WgmmaTactic:
         """Itself: the TMA unit reads activations from L2 already (API parity with
@@ -175,8 +161,8 @@ class WgmmaTactic:
 
     @property
     def uses_workspace(self) -> bool:
-        """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
-        return self.split_k > 1 and not self.in_cluster
+        """Whether a launch takes an fp32 workspace and arrival counters (split-K)."""
+        return self.split_k > 1
 
     def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
         """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
@@ -214,8 +200,8 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKENS_ON_M} with tokens_on_m"
         if t.block_k != 64:
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
-        if t.split_k not in CLUSTER_SPLITS:
-            return f"split_k={t.split_k}: tokens_on_m splits K in one cluster per tile, of {CLUSTER_SPLITS} CTAs"
+        if t.split_k != 1:
+            return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
@@ -312,26 +298,10 @@ def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [deep, dataclasses.replace(deep, pdl=False), *(dataclasses.replace(probe, stages=s) for s in rings[1:])]
 
 
-def split_tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
-    """The ``tokens_on_m`` tactics split along K in clusters of 2 worth timing at ``m`` tokens, up to
-    :data:`MAX_TOKENS_ON_M`: twice :func:`tokens_on_m_rows` rows per CTA (as many CTAs), in the deepest ring one CTA
-    per SM allows (at most 12 K-tiles) and the deepest that :func:`leaves_room` for the side chain. Each activation
-    byte a CTA loads feeds twice the rows' MMAs, so its ring holds the same weight bytes in less shared memory, and
-    at M = 128 it moves about 34 KB through shared memory per 48 rows and K-tile against 50 for unsplit 48-row CTAs
-    (an estimate: TMA writes plus MMA reads, the weights once per consumer warpgroup)."""
-    if m > MAX_TOKENS_ON_M or k % 64 or (k // 64) % 2:
-        return []
-    probe = WgmmaTactic(2 * tokens_on_m_rows(n), 64, 64, 1, split_k=2, tokens_on_m=True).for_tokens(m)
-    deepest = min(MAX_DEFAULT_STAGES, max_stages(probe.block_n, 64, probe.block_t, 1, tokens_on_m=True))
-    roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
-    found = [dataclasses.replace(probe, stages=stages) for stages in dict.fromkeys((deepest, roomy)) if stages >= 2]
-    return [t for t in found if validate_wgmma_tactic(t, n, k, k) is None]
-
-
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
     size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
-    :func:`tokens_on_m_tactics` and :func:`split_tokens_on_m_tactics`."""
+    and :func:`tokens_on_m_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -343,7 +313,7 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    for tactic in [default, *tokens_on_m_tactics(n, k, m), *split_tokens_on_m_tactics(n, k, m)]:
+    for tactic in [default, *tokens_on_m_tactics(n, k, m)]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
     return found
@@ -432,8 +402,7 @@ class WgmmaGemm:
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=[1, 1, t.split_k] if t.in_cluster else None,
-                 smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -499,10 +468,6 @@ class WgmmaGemm:
 
         if warp == t.consumer_threads // 32:
             self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidy, k_first, k_tiles)
-            if cutlass.const_expr(t.in_cluster):
-                # The cluster barriers count every thread: the producer waits out both, see _reduce_in_cluster.
-                self._cluster_sync()
-                self._cluster_sync()
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
@@ -513,9 +478,7 @@ class WgmmaGemm:
             s_o = cute.make_tensor(ring, cute.make_layout((t.block_n, t.mma_tokens), stride=(1, t.block_n)))
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
-            if cutlass.const_expr(t.in_cluster):
-                self._reduce_in_cluster(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, bidz)
-            elif cutlass.const_expr(t.split_k > 1):
+            if cutlass.const_expr(t.split_k > 1):
                 self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
                                      bidx, bidy, bidz, tidx)
                 # Only the CTA that arrived last holds the full sum; the others are done.
@@ -628,49 +591,6 @@ class WgmmaGemm:
         if self.tactic.tokens_on_m:
             return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
         return tile
-
-    def _cluster_sync(self) -> None:
-        """Barrier of every thread of the cluster's CTAs: shared-memory writes before it (release) are visible to
-        every CTA of the cluster after it (acquire)."""
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-
-    @cute.jit
-    def _reduce_in_cluster(self, acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, rank):
-        """In-cluster split-K: stage this CTA's fp32 partial token-major in its drained ring; once every split's is
-        there, sum share ``rank`` of the tile's 8-row vectors from every CTA's ring in split order (as
-        :meth:`_reduce_split_k` does), and store them as bf16. Only real tokens' and rows' vectors are read and
-        stored. The second cluster barrier keeps every ring alive until the whole cluster has read it."""
-        t = self.tactic
-        self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
-        s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
-                               cute.make_layout((t.block_n, t.mma_tokens), stride=(1, t.block_n)))
-        thr_mma.partition_C(self._mma_view(s_p)).store(acc.load())
-        self._cluster_sync()
-        vec = (ELEMS_PER_COPY, 1)
-        v_g, v_c = cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
-        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), g_o.element_type, num_bits_per_copy=COPY_BITS)
-        vectors = t.block_n * t.block_t // ELEMS_PER_COPY  # the tile's real tokens come first in s_p
-        share = -(-vectors // t.split_k)
-        total = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), cutlass.Float32)
-        out = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), g_o.element_type)
-        for j in cutlass.range_constexpr(-(-share // t.consumer_threads)):
-            v = j * t.consumer_threads + tidx
-            i = rank * share + v  # vector i holds elements 8i .. 8i + 7 of the token-major partial
-            if v < share and i < vectors:
-                if self._in_bounds(v_c[(0, i)], m_tokens):
-                    # Every split's loads are issued before the first add: one wait for the cluster, not split_k.
-                    base = s_p.iterator + i * ELEMS_PER_COPY
-                    parts = [load_peer_f32x4(base, split) + load_peer_f32x4(base + VECTOR_FLOATS, split)
-                             for split in range(t.split_k)]
-                    for e in cutlass.range_constexpr(ELEMS_PER_COPY):
-                        value = parts[0][e]
-                        for split in cutlass.range_constexpr(1, t.split_k):
-                            value = value + parts[split][e]
-                        total[e] = value
-                    out.store(total.load().to(g_o.element_type))
-                    cute.copy(store, out, v_g[(None, i)])
-        self._cluster_sync()
 
     def _consumers_sync(self) -> None:
         """Barrier of the consumer warpgroups only (the producer warp may have exited)."""
