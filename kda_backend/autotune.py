@@ -6,7 +6,8 @@ is served from L2) - see :mod:`kda_backend.timing`:
 1. CuTe tactics, per role and tactic bucket (:func:`~kda_backend.kernels.tactics.tactic_bucket`), timed at a
    few M of the bucket and chosen by their worst slowdown at any of them (:func:`most_robust`): the side chain's
    kernels alone, then QKVG (both kernel families where the device runs ``wgmma``) and the side chain's again
-   inside the overlapped stage (see :func:`tune_tactics`).
+   inside the overlapped stage, where side chains that tie are told apart by the stage without a fork (see
+   :func:`tune_tactics`).
 2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
    candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path, in the
    forked form the engines' decode graphs run, whatever the host answers outside them (``for_tuning``).
@@ -60,6 +61,9 @@ WGMMA_CANDIDATES = 9
 WGMMA_FINALISTS = 2
 FINALISTS = 4  # in-stage candidates timed again
 RETIMING_ROUNDS = 2
+# Side-chain finalists whose forked stage is within this factor of the best one's at every M tie (one stage timing
+# varies by up to 0.5 us on some H200s); the tie goes to the one whose stage without a fork is fastest.
+FORKED_TIE = 1.01
 
 
 def make_weight_copies(geometry: KDAGeometry, device: torch.device, copies: int = COPIES) -> list[ProjectionWeights]:
@@ -171,7 +175,10 @@ def tune_tactics(
        whose CTAs fit only in the slots QKVG leaves free (:func:`~kda_backend.kernels.occupancy.spare_slot_tactics`):
        what overlaps best need not be what runs fastest alone (measured on H200 for Kimi-K3 TP8: F_A/beta with 2
        or 3 stages times the same alone, but with 3 the stage is 0.2-0.3 us faster; 12 large CTAs take twice as
-       long alone as 126 small ones, but the stage is 0.5-0.8 us faster at M = 16).
+       long alone as 126 small ones, but the stage is 0.5-0.8 us faster at M = 16). Finalists that tie in the
+       forked stage (:data:`FORKED_TIE`) are told apart by the stage without a fork (:func:`time_trailing`), which
+       eager calls and piecewise graphs run: measured on H200 for Kimi-K3 TP8 at M = 40 / 64, two F_B tactics within
+       0.1 us of each other forked took 27.3 / 29.1 and 31.1 / 33.7 us there.
     """
     table: TacticTable = {}
     shapes = _role_shapes(geometry)
@@ -222,7 +229,8 @@ def tune_tactics(
             cands += [c for c in spare_slot_tactics(n, k, top, xs, main, main_ctas, budget) if c not in cands]
             cands = verified(weights, role, cands, BUCKET_MS[bucket], progress)
             key = (role, n, k, bucket)
-            table.update(_best_in_stage(weights, bucket, table, [{key: c} for c in cands], progress))
+            table.update(_best_in_stage(weights, bucket, table, [{key: c} for c in cands], progress,
+                                        break_ties_without_fork=True))
     return table
 
 
@@ -284,13 +292,14 @@ def spare_slot_partner(spare: list[Tactic]) -> Tactic | None:
 
 def _best_in_stage(
     weights: list[ProjectionWeights], bucket: int, table: TacticTable, candidates: list[TacticTable],
-    progress: Callable[[str], None],
+    progress: Callable[[str], None], break_ties_without_fork: bool = False,
 ) -> TacticTable:
     """The candidate (tactics for one or more GEMMs) that makes the overlapped all-CuTe stage fastest over the
     bucket's M (the other GEMMs keep their tactics in ``table``); returns it. Every candidate is timed
     once at each M; the ``FINALISTS`` most robust are timed ``RETIMING_ROUNDS`` more times, in turn, and judged by
     their medians: one stage timing varies by up to 0.5 us on some H200s, more than the gaps between the best
-    candidates."""
+    candidates. With ``break_ties_without_fork``, finalists that tie with the best go through
+    :func:`_fastest_without_fork`."""
     ms = BUCKET_MS[bucket]
     frozen = [tuple(c.items()) for c in candidates]  # hashable, in the caller's order
 
@@ -309,7 +318,34 @@ def _best_in_stage(
     others = "; ".join(f"{_candidate_label(c)} {_label_times(ms, medians[c])}" for c in finalists if c != best)
     progress(f"t{bucket} stage: {_candidate_label(best)} ({_label_times(ms, medians[best])} overlapped stage"
              f"{', over ' + others if others else ''})")
+    if break_ties_without_fork:
+        tied = [c for c in finalists if all(t <= FORKED_TIE * b for t, b in zip(medians[c], medians[best]))]
+        best = _fastest_without_fork(weights, bucket, table, tied, best, progress)
     return dict(best)
+
+
+def _fastest_without_fork(
+    weights: list[ProjectionWeights], bucket: int, table: TacticTable, tied: list[tuple], best: tuple,
+    progress: Callable[[str], None],
+) -> tuple:
+    """Of candidates whose forked stages tie, the one whose stage without a fork (:func:`time_trailing`) is most
+    robust over the bucket's M; ``best`` where fewer than two tie, where the provider builds no such form, or where
+    timing it fails (reported: the forked choice stands)."""
+    if len(tied) < 2:
+        return best
+    ms = BUCKET_MS[bucket]
+    try:
+        times = {c: [time_trailing(weights, m, {**table, **dict(c)}) for m in ms] for c in tied}
+    except Exception as exc:  # the forked choice is sound; a form that cannot be timed must not stop tuning
+        progress(f"t{bucket} stage without a fork not timed ({type(exc).__name__}: {exc}); keeping "
+                 f"{_candidate_label(best)}")
+        return best
+    if any(None in row for row in times.values()):
+        return best
+    chosen = most_robust(times)
+    labels = "; ".join(f"{_candidate_label(c)} {_label_times(ms, times[c])}" for c in tied)
+    progress(f"t{bucket} stage without a fork, among the tied: {_candidate_label(chosen)} ({labels})")
+    return chosen
 
 
 def _candidate_label(candidate: tuple) -> str:
@@ -405,6 +441,31 @@ def time_step(weights: list[ProjectionWeights], step: Step, m: int, tactics: Tac
     g = weights[0].geometry
     xs = [torch.randn(m, g.hidden_size, device=device, dtype=torch.bfloat16) for _ in weights]
     return graph_time_per_layer(lambda i: projs[i % len(projs)](xs[i % len(xs)]), layers=LAYERS)
+
+
+def time_trailing(weights: list[ProjectionWeights], m: int, tactics: TacticTable) -> float | None:
+    """Seconds per layer of the overlapped all-CuTe stage with CuTe ``tactics`` at ``m`` tokens without a fork:
+    QKVG's launch, then the side chain trailing it on the same stream, as eager calls inside piecewise graphs run
+    it; ``None`` where the provider builds no such form for these tactics."""
+    device, g = weights[0].device, weights[0].geometry
+    plan = Plan(steps={m: OVERLAP_CUTE}, source="candidate", tactics=tactics)
+    stages = [KDAProjection(w, plan).stage(m) for w in weights]
+    if any(getattr(stage, "trail", None) is None for stage in stages):
+        return None
+    operands = [
+        (torch.randn(m, g.hidden_size, device=device, dtype=torch.bfloat16),
+         *(torch.empty(m, cols, device=device, dtype=torch.bfloat16)
+           for cols in (g.qkvg_rows, g.fab_rows, g.local_width)))
+        for _ in weights
+    ]
+
+    def layer(i: int) -> None:
+        j = i % len(weights)
+        stage, w, (x, qkvg, fab, g1) = stages[j], weights[j], operands[j]
+        stage.qkvg(x, w.w_qkvg, qkvg)
+        stage.trail(x, w.w_fab, fab, w.w_fb, g1)
+
+    return graph_time_per_layer(layer, layers=LAYERS)
 
 
 def tune_plan(

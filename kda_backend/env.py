@@ -61,8 +61,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "KDA_BACKEND_AUTOTUNE",
         "0",
-        "`1`: when no stored plan matches this device, tune one at load time (about 8 minutes on an H200 at TP8) and "
-        f"store it. {_FLAG}",
+        "`1`: when no stored plan matches this device, tune one at load time (about 8-10 minutes on an H200 at TP8) "
+        f"and store it. {_FLAG}",
         "flag",
     ),
     EnvVar("KDA_BACKEND_CACHE_DIR", "", "Autotune/compile cache folder; default: the host's choice, else "

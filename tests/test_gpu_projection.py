@@ -264,3 +264,21 @@ def test_aux_stream_aliasing_the_capture_stream_does_not_fork(kda_log):
     torch.cuda.synchronize()
     assert forks == [] and sum("without a fork" in m for m in kda_log.messages()) == 1
     assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+
+
+def test_autotuner_times_the_stage_without_a_fork():
+    """``autotune.time_trailing`` builds serving projections and times QKVG with the side chain trailing it inside
+    a CUDA graph (tokens-on-M wgmma QKVG at M = 48); ``None`` where the provider builds no such form (QKVG and
+    F_A/beta both split K: they would share the stream's arrival counters)."""
+    from kda_backend import autotune
+
+    g = preset("kimi-k3", 8)
+    weights = autotune.make_weight_copies(g, torch.device("cuda"), copies=2)
+    side_chain = {("fab", g.fab_rows, g.hidden_size, 64): Tactic(16, 128, 64, 2, split_k=8, x_via_l1=False),
+                  ("fb", g.local_width, g.head_dim, 64): Tactic(16, 128, 64, 2, x_via_l1=False)}
+    qkvg_key = ("qkvg", g.qkvg_rows, g.hidden_size, 64)
+    wgmma = WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).for_tokens(64)
+    seconds = autotune.time_trailing(weights, 48, {qkvg_key: wgmma, **side_chain})
+    assert seconds is not None and 0 < seconds < 1e-3
+    split = Tactic(48, 256, 64, 2, split_k=2, x_via_l1=False)  # 128 tiles: within the arrival counters
+    assert autotune.time_trailing(weights, 48, {qkvg_key: split, **side_chain}) is None

@@ -83,11 +83,13 @@ WINNER = Tactic(48, 128, 16, 4, split_k=4, x_via_l1=False)
 SPLIT_DEFAULT = Tactic(16, 128, 16, 3, split_k=14)  # F_A/beta's default: the fastest alone when all tie
 
 
-def _tune_with_stubbed_timings(monkeypatch, stage_time, wrong=lambda role, tactic: False, progress=None):
+def _tune_with_stubbed_timings(monkeypatch, stage_time, wrong=lambda role, tactic: False, progress=None,
+                               time_trailing=lambda weights, m, tactics: None):
     """``tune_tactics`` for TP8's 16-token bucket on a simulated H200: every GEMM alone takes 1 us (2 us for
     48-row CTAs), and the stage ``stage_time(QKVG tactic, F_A/beta tactic, m, how many times that pair was timed
-    at m)`` seconds; the tactics ``wrong(role, tactic)`` names compute wrongly. Returns the table and the
-    (QKVG, F_A/beta) tactics of each stage timing; ``progress`` collects the tuner's lines."""
+    at m)`` seconds (without a fork: ``time_trailing``, by default no such form); the tactics ``wrong(role,
+    tactic)`` names compute wrongly. Returns the table and the (QKVG, F_A/beta) tactics of each stage timing;
+    ``progress`` collects the tuner's lines."""
     staged, timed = [], []
 
     def time_step(weights, step, m, tactics):
@@ -101,6 +103,7 @@ def _tune_with_stubbed_timings(monkeypatch, stage_time, wrong=lambda role, tacti
 
     monkeypatch.setattr(autotune, "time_tactic", time_tactic)
     monkeypatch.setattr(autotune, "time_step", time_step)
+    monkeypatch.setattr(autotune, "time_trailing", time_trailing)
     monkeypatch.setattr(autotune, "tactic_error",
                         lambda weights, role, tactic, m: "relative error 0.5 > 0.01" if wrong(role, tactic) else None)
     monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
@@ -188,6 +191,7 @@ def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkey
 
     monkeypatch.setattr(autotune, "time_tactic", time_tactic)
     monkeypatch.setattr(autotune, "time_step", time_step)
+    monkeypatch.setattr(autotune, "time_trailing", lambda weights, m, tactics: None)
     monkeypatch.setattr(autotune, "tactic_error", lambda weights, role, tactic, m: None)
     monkeypatch.setattr(autotune, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
@@ -203,3 +207,67 @@ def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkey
     assert len(roomy) == 1 and leaves_room(roomy.pop())
     chosen = table[("qkvg", TP8.qkvg_rows, TP8.hidden_size, 32)]
     assert isinstance(chosen, WgmmaTactic) and not chosen.pdl
+
+
+FB_KEY = ("fb", TP8.local_width, TP8.head_dim, 16)
+FB_TACTICS = [Tactic(16, 128, 16, 2, x_via_l1=False, x_tma=True), Tactic(16, 128, 16, 2, x_via_l1=False),
+              Tactic(16, 128, 16, 2, x_via_l1=True)]
+
+
+def _side_chain_choice(monkeypatch, forked, trailing, break_ties=True):
+    """``_best_in_stage`` over :data:`FB_TACTICS` for F_B at TP8's 16-token bucket, with the forked stage taking
+    ``forked[i]`` us for candidate i at every M and the stage without a fork ``trailing(i)`` us (``None``: no such
+    form; an exception: timing it fails). Returns the chosen tactic and the tuner's lines."""
+    index = {t: i for i, t in enumerate(FB_TACTICS)}
+    monkeypatch.setattr(autotune, "time_step", lambda weights, step, m, tactics: forked[index[tactics[FB_KEY]]] * 1e-6)
+
+    def time_trailing(weights, m, tactics):
+        value = trailing(index[tactics[FB_KEY]])
+        return None if value is None else value * 1e-6
+
+    monkeypatch.setattr(autotune, "time_trailing", time_trailing)
+    lines = []
+    chosen = autotune._best_in_stage([], 16, {}, [{FB_KEY: t} for t in FB_TACTICS], lines.append,
+                                     break_ties_without_fork=break_ties)
+    return chosen[FB_KEY], lines
+
+
+def test_side_chain_ties_in_the_forked_stage_go_to_the_faster_stage_without_a_fork(monkeypatch):
+    """Within 1 % of the fastest forked stage the stage without a fork decides (there a padded F_B ring cost 4 us on
+    H200); a candidate outside the tie never wins on that form, however fast there."""
+    forked, trailing = [24.00, 24.10, 26.00], [31.0, 27.0, 20.0]
+    chosen, lines = _side_chain_choice(monkeypatch, forked, trailing.__getitem__)
+    assert chosen == FB_TACTICS[1]
+    assert any(line.startswith("t16 stage without a fork, among the tied: fb n16k128t16s2p ") for line in lines)
+    assert _side_chain_choice(monkeypatch, forked, trailing.__getitem__, break_ties=False)[0] == FB_TACTICS[0]
+    assert _side_chain_choice(monkeypatch, [24.0, 25.0, 26.0], trailing.__getitem__)[0] == FB_TACTICS[0]
+
+
+def test_the_forked_choice_stands_where_the_stage_without_a_fork_is_not_timed(monkeypatch):
+    """No such form for a candidate (the provider builds none), or a timing that fails: the fastest forked stage is
+    kept, and a failure is reported."""
+    forked = [24.0, 24.1, 24.1]
+    no_form, _ = _side_chain_choice(monkeypatch, forked, lambda i: None if i == 2 else 30.0 - i)
+    assert no_form == FB_TACTICS[0]
+
+    def fails(i):
+        raise RuntimeError("trailing kernel failed to compile")
+
+    chosen, lines = _side_chain_choice(monkeypatch, forked, fails)
+    assert chosen == FB_TACTICS[0]
+    assert "t16 stage without a fork not timed (RuntimeError: trailing kernel failed to compile); keeping fb " \
+        "n16k128t16s2pT" in lines
+
+
+def test_the_side_chain_pass_breaks_ties_without_a_fork_and_the_qkvg_pass_does_not(monkeypatch):
+    """In ``tune_tactics`` only the side chain's in-stage pass times candidates without a fork: QKVG's tactic is
+    chosen for the forked stage, which full-graph decode runs."""
+    seen = []
+
+    def time_trailing(weights, m, tactics):
+        seen.append((tactics[QKVG_KEY], tactics[FAB_KEY], tactics[FB_KEY]))
+        return 1e-6
+
+    table, _ = _tune_with_stubbed_timings(monkeypatch, lambda qkvg, fab, m, n: 1e-6, time_trailing=time_trailing)
+    assert seen and {q for q, _, _ in seen} == {table[QKVG_KEY]}
+    assert {f for _, f, _ in seen} > {table[FAB_KEY]}  # F_A/beta's tied candidates, F_B's pass with the one kept
