@@ -445,8 +445,8 @@ def time_step(weights: list[ProjectionWeights], step: Step, m: int, tactics: Tac
 
 def time_trailing(weights: list[ProjectionWeights], m: int, tactics: TacticTable) -> float | None:
     """Seconds per layer of the overlapped all-CuTe stage with CuTe ``tactics`` at ``m`` tokens without a fork:
-    QKVG's launch, then the side chain trailing it on the same stream, as eager calls inside piecewise graphs run
-    it; ``None`` where the provider builds no such form for these tactics."""
+    QKVG's launch, then the side chain trailing it on the same stream, as piecewise graphs (and eager calls above
+    the one-launch stage's M) run it; ``None`` where the provider builds no such form for these tactics."""
     device, g = weights[0].device, weights[0].geometry
     plan = Plan(steps={m: OVERLAP_CUTE}, source="candidate", tactics=tactics)
     stages = [KDAProjection(w, plan).stage(m) for w in weights]
