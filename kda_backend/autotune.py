@@ -450,7 +450,7 @@ def time_trailing(weights: list[ProjectionWeights], m: int, tactics: TacticTable
     device, g = weights[0].device, weights[0].geometry
     plan = Plan(steps={m: OVERLAP_CUTE}, source="candidate", tactics=tactics)
     stages = [KDAProjection(w, plan).stage(m) for w in weights]
-    if any(getattr(stage, "trail", None) is None for stage in stages):
+    if any(stage.trail is None for stage in stages):
         return None
     operands = [
         (torch.randn(m, g.hidden_size, device=device, dtype=torch.bfloat16),

@@ -5,7 +5,8 @@ and of cuBLAS one after another.
 - trailing: QKVG's launch, then the side chain trailing it on the same stream (piecewise graphs);
 - one launch: the whole stage in one launch (eager calls, where the host's launch cost exceeds the GPU time);
 - one after another: QKVG, F_A/beta and F_B on one stream (where a step can neither fork nor trail);
-- cuBLAS one after another: three ``torch.mm`` (the engines' path where they do not overlap).
+- cuBLAS one after another: three ``torch.mm`` over split weights (SGLang's sequential path; vLLM's runs one GEMM
+  over its packed QKVG and F_A/beta weight, ``bench``'s ``seq_cuBLAS``).
 
 Each is timed from a CUDA graph of 24 layers whose weights rotate over 6 copies (median of 50 replays), forms
 alternated over 3 rounds. The CuTe kernels run the tactics of ``--plan`` (a plan file ``kda-backend autotune``
