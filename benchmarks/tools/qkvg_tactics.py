@@ -4,7 +4,9 @@ For each M and each QKVG tactic (the default first), prints the tactic's shared 
 fp32 (output poisoned with NaN first), QKVG alone in us per layer and as a multiple of its own HBM floor (QKVG
 weight bytes / copy bandwidth measured in the same process), and the overlapped stage: QKVG on the main stream,
 F_A/beta -> F_B forked onto an aux stream, with the excess over QKVG alone. Per M a line first names the side
-chain's tactics and checks its outputs the same way (either tactic may be of either kernel family). Times are
+chain's tactics and checks its outputs the same way (either tactic may be of either kernel family). For each
+tokens-on-M wgmma tactic the whole stage in one launch (``kda_backend.kernels.wgmma_stage``) follows, its outputs
+checked the same way. Times are
 medians of 50 replays of a CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool behind
 most lever measurements in benchmarks/RESULTS.md: run it once per build, builds alternated.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 from stage_operands import (
     TACTIC_HELP,
     StageOperands,
@@ -26,6 +29,8 @@ from stage_operands import (
 )
 
 from kda_backend.accuracy import output_error
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
+from kda_backend.kernels.wgmma_stage import STAGE_COUNTERS, WgmmaStage, compile_stage, validate_stage
 from kda_backend.timing import copy_bandwidth, graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
 
@@ -75,6 +80,39 @@ def main(argv: list[str] | None = None) -> None:
             print(f"M={m:2} {t_qkvg.key():20} smem {t_qkvg.smem_bytes() // 1024:3} KB rel.err {err:.1e} "
                   f"alone {alone:6.2f} us ({alone / qkvg_floor:.3f}x) stage {stage:6.2f} us (+{stage - alone:4.2f})",
                   flush=True)
+            shapes = (g.qkvg_rows, g.fab_rows, g.local_width, g.hidden_size, g.head_dim)
+            if isinstance(t_qkvg, WgmmaTactic) and validate_stage(t_qkvg, *shapes) is None:
+                seconds, errors = one_launch_stage(ops, weights, WgmmaStage(t_qkvg, *shapes))
+                print(f"M={m:2} {t_qkvg.key():20} stage in one launch {seconds * 1e6:6.2f} us "
+                      f"({seconds * 1e6 - stage:+.2f} against the stage above): {errors}", flush=True)
+
+
+def one_launch_stage(ops: StageOperands, weights: list[ProjectionWeights], stage: WgmmaStage) -> tuple[float, str]:
+    """Seconds per layer of ``stage`` in one launch over the rotating operands (outputs written into ``ops``), and
+    its relative errors against fp32 for the first weight copy, from a first run into NaN-poisoned outputs (F_B's
+    reference takes the kernel's bf16 F_A/beta output)."""
+    kernel = compile_stage(stage, "sm_90a")
+    chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
+
+    def layer(i):
+        j = i % ops.copies
+        w = weights[j]
+        kernel(ops.xs[j], w.w_qkvg, ops.qkvg[j], w.w_fab, ops.fab[j], w.w_fb, ops.g1[j], chain)
+
+    outs = (ops.qkvg[0], ops.fab[0], ops.g1[0])
+    for out in outs:
+        out.fill_(float("nan"))
+    layer(0)
+    torch.cuda.synchronize()
+    if chain.tolist() != [0] * STAGE_COUNTERS:
+        raise SystemExit(f"the one-launch stage left its counters at {chain.tolist()}")
+    w, x, d = weights[0], ops.xs[0].float(), ops.head_dim
+    refs = (x @ w.w_qkvg.float().t(), x @ w.w_fab.float().t(), outs[1][:, :d].float() @ w.w_fb.float().t())
+    errors = []
+    for name, out, ref in zip(("qkvg", "fab", "g1"), outs, refs):
+        reason = output_error(out, ref)
+        errors.append(f"{name} {'ok' if reason is None else reason}")
+    return graph_time_per_layer(layer), ", ".join(errors)
 
 
 def side_chain_errors(ops: StageOperands, w: ProjectionWeights, side) -> str:

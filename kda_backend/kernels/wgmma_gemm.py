@@ -347,26 +347,10 @@ class WgmmaGemm:
         if unused:
             raise ValueError(f"{', '.join(unused)} not used by tactic {t.key()}: pass None")
 
-    @cute.jit
-    def __call__(
-        self,
-        m_x: cute.Tensor,
-        m_w: cute.Tensor,
-        m_out: cute.Tensor,
-        m_work: cute.Tensor | None,
-        m_arrivals: cute.Tensor | None,
-        m_chain: cute.Tensor | None,
-        expected: cutlass.Int32 | None,
-        stream,
-    ):
-        """``out = x @ w.T``: ``m_x`` (M, K), ``m_w`` (N, K), ``m_out`` (M, N) contiguous, all bf16. With split-K,
-        ``m_work`` the fp32 workspace of :meth:`WgmmaTactic.workspace_shape`, contiguous, and
-        ``m_arrivals`` int32 arrival counters (one per output tile, :func:`wgmma_output_tiles`), zero on entry and
-        left zero on exit; else both ``None``. ``m_chain`` and ``expected`` are always ``None`` (no side-chain
-        role), kept for :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
-        self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
+    def _operand_layouts(self, dtype):
+        """``(tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout)``: the MMA and the ring's shared-memory
+        layouts of both operands, the activations' TMA box and the ring as those boxes fill it."""
         t = self.tactic
-        dtype = m_w.element_type
         # Both operands K-major. Swap-AB: weights as wgmma's A (M = rows), activations as its B (N = tokens);
         # tokens_on_m: the other way round.
         mma_n = t.block_n if t.tokens_on_m else t.block_t
@@ -389,6 +373,28 @@ class WgmmaGemm:
             s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             x_box, s_x_box_layout = (t.block_t, t.block_k), s_x_layout
+        return tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout
+
+    @cute.jit
+    def __call__(
+        self,
+        m_x: cute.Tensor,
+        m_w: cute.Tensor,
+        m_out: cute.Tensor,
+        m_work: cute.Tensor | None,
+        m_arrivals: cute.Tensor | None,
+        m_chain: cute.Tensor | None,
+        expected: cutlass.Int32 | None,
+        stream,
+    ):
+        """``out = x @ w.T``: ``m_x`` (M, K), ``m_w`` (N, K), ``m_out`` (M, N) contiguous, all bf16. With split-K,
+        ``m_work`` the fp32 workspace of :meth:`WgmmaTactic.workspace_shape`, contiguous, and
+        ``m_arrivals`` int32 arrival counters (one per output tile, :func:`wgmma_output_tiles`), zero on entry and
+        left zero on exit; else both ``None``. ``m_chain`` and ``expected`` are always ``None`` (no side-chain
+        role), kept for :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
+        self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
+        t = self.tactic
+        tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w.element_type)
         # The tensor maps are encoded per call from the tensors, so x's covers this call's M (rows past it read as 0).
         w_tma, w_src = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
@@ -430,6 +436,15 @@ class WgmmaGemm:
         bidx, bidy, bidz = cute.arch.block_idx()
         dtype = m_out_t.element_type
 
+        mainloop, s_w, s_x, s_x_box, ring, s_last = self._ring(dtype, s_w_layout, s_x_layout, s_x_box_layout)
+        self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
+                           m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
+
+    def _ring(self, dtype, s_w_layout, s_x_layout, s_x_box_layout):
+        """Shared memory of one CTA: ``(mainloop, s_w, s_x, s_x_box, ring, s_last)``: the ring's pipeline, its
+        operand views, the ring's start (the output tile is staged there once it drained) and split-K's flag
+        (``None`` without a workspace)."""
+        t = self.tactic
         smem = cutlass.memory.SmemAllocator()
         barriers = smem.allocate_array(cutlass.Int64, 2 * t.stages, byte_alignment=8)
         s_last = None
@@ -451,9 +466,7 @@ class WgmmaGemm:
             tx_count=t.stage_bytes(),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
-
-        self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
-                           m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
+        return mainloop, s_w, s_x, s_x_box, ring, s_last
 
     @cute.jit
     def _tile_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,

@@ -1,0 +1,103 @@
+"""The one-launch Hopper stage (QKVG and F_A/beta tiles of one grid, F_B in the QKVG CTAs' epilogues): its shape
+rules and sm_90a compile on the CPU; on a GPU, against fp32 with outputs poisoned, determinism, its counters left
+zero, and graph replay against eager."""
+
+import pytest
+import torch
+
+from kda_backend.geometry import preset
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
+from kda_backend.kernels.wgmma_stage import STAGE_COUNTERS, WgmmaStage, compile_stage, validate_stage
+
+G = preset("kimi-k3", 8)
+SHAPES = (G.qkvg_rows, G.fab_rows, G.local_width, G.hidden_size, G.head_dim)
+
+
+def _tactic(m, stages=10):
+    return WgmmaTactic(48, 64, 64, stages, tokens_on_m=True).for_tokens(m)
+
+
+def test_shapes_the_one_launch_stage_refuses():
+    assert validate_stage(_tactic(48), *SHAPES) is None
+    assert "unsplit tokens_on_m" in validate_stage(WgmmaTactic(64, 64, 64, 12), *SHAPES)
+    assert "not a multiple of block_n=40" in validate_stage(WgmmaTactic(40, 64, 64, 8, tokens_on_m=True), *SHAPES)
+    assert "do not split over 128 QKVG CTAs" in validate_stage(_tactic(48), G.qkvg_rows, G.fab_rows, 1544,
+                                                                 G.hidden_size, G.head_dim)
+    with pytest.raises(ValueError, match="unsplit tokens_on_m"):
+        WgmmaStage(WgmmaTactic(64, 64, 64, 12), *SHAPES)
+
+
+@pytest.mark.parametrize("m", [24, 64, 128])
+def test_compiles_for_sm90a(m):
+    assert compile_stage(WgmmaStage(_tactic(m), *SHAPES), "sm_90a") is not None
+
+
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an SM 9.x GPU"
+)
+
+
+def _operands(m, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    k = G.hidden_size
+    x = randn(m, k)
+    w_qkvg, w_fab = randn(G.qkvg_rows, k, scale=k**-0.5), randn(G.fab_rows, k, scale=k**-0.5)
+    w_fb = randn(G.local_width, G.head_dim, scale=G.head_dim**-0.5)
+    outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            for n in (G.qkvg_rows, G.fab_rows, G.local_width)]
+    return x, w_qkvg, w_fab, w_fb, outs
+
+
+def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
+    qkvg, fab, g1 = outs
+    kernel(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1, chain)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("m", [17, 24, 40, 64, 100, 128, 136])
+def test_matches_fp32_and_leaves_its_counters_zero(m):
+    kernel = compile_stage(WgmmaStage(_tactic(m), *SHAPES), "sm_90a")
+    chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
+    x, w_qkvg, w_fab, w_fb, outs = _operands(m, seed=m)
+    _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain)
+    torch.cuda.synchronize()
+    qkvg, fab, g1 = outs
+    for name, out, ref in (("qkvg", qkvg, x.float() @ w_qkvg.float().t()), ("fab", fab, x.float() @ w_fab.float().t()),
+                           ("g1", g1, fab[:, : G.head_dim].float() @ w_fb.float().t())):
+        assert not out.isnan().any(), name
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err}"
+    assert chain.tolist() == [0] * STAGE_COUNTERS
+    again = [torch.full_like(o, float("nan")) for o in outs]
+    _run(kernel, x, w_qkvg, w_fab, w_fb, again, chain)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(again, outs))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("m", [24, 64])
+def test_graph_replay_with_new_inputs_equals_eager_bitwise(m):
+    kernel = compile_stage(WgmmaStage(_tactic(m), *SHAPES), "sm_90a")
+    chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
+    x, w_qkvg, w_fab, w_fb, outs = _operands(m, seed=1)
+    _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain)  # outside the capture first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):  # several launches on one stream reuse the counters
+            _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain)
+    x.copy_(_operands(m, seed=2)[0])
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = [torch.full_like(o, float("nan")) for o in outs]
+    _run(kernel, x, w_qkvg, w_fab, w_fb, eager, chain)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+    assert chain.tolist() == [0] * STAGE_COUNTERS
