@@ -7,8 +7,8 @@ in the QKVG CTAs' epilogues (no fork, no second launch: the same bits on every h
 - An F_A/beta CTA stores its tile and counts it in on ``chain[0]`` (release: the tile is visible device-wide first).
 - A QKVG CTA stores its tile; those of the first token tile then wait until every F_A/beta tile is counted in and
   compute their share of ``g1 = f_a @ W_fb^T`` (``fb_rows / qkvg_blocks`` rows, every token): f_a and the share of
-  W_fb staged in the drained ring, fp32 FMAs with K in order, so the result is deterministic. Every QKVG CTA then
-  counts itself out on ``chain[1]``; the last one resets both counters for the stream's next launch.
+  W_fb staged in the drained ring, ``mma.sync`` into fp32 in a fixed order, so the result is deterministic. Every
+  QKVG CTA then counts itself out on ``chain[1]``; the last one resets both counters for the stream's next launch.
 - The F_A/beta tiles take as long as QKVG's (the same rows per CTA over the same K), so F_B starts about when
   QKVG's last tile is stored, without a kernel boundary between them.
 
@@ -22,10 +22,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from kda_backend.kernels.skinny_gemm import COPY_BITS, ELEMS_PER_COPY
+from kda_backend.kernels.skinny_gemm import COPY_BITS, ELEMS_PER_COPY, MMA_SHAPE
 from kda_backend.kernels.wgmma_gemm import WgmmaGemm, WgmmaTactic, validate_wgmma_tactic
 
-F_B_GROUPS = 4  # threads that share one token's F_B rows, each taking a quarter of them
 ROW_PAD = 8  # bf16 elements past each staged row: consecutive rows then start on different shared-memory banks
 STAGE_COUNTERS = 2  # chain[0]: F_A/beta tiles stored; chain[1]: QKVG CTAs done
 
@@ -38,8 +37,8 @@ def validate_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: 
         if rows % tactic.block_n:
             return f"{name}'s {rows} rows are not a multiple of block_n={tactic.block_n}"
     qkvg_blocks = qkvg_rows // tactic.block_n
-    if fb_rows % (qkvg_blocks * F_B_GROUPS):
-        return f"F_B's {fb_rows} rows do not split over {qkvg_blocks} QKVG CTAs in groups of {F_B_GROUPS}"
+    if fb_rows % qkvg_blocks:
+        return f"F_B's {fb_rows} rows do not split over {qkvg_blocks} QKVG CTAs"
     if d > fab_rows or d % ELEMS_PER_COPY:
         return f"F_B's K={d} must be a multiple of {ELEMS_PER_COPY} within F_A/beta's {fab_rows} rows"
     return validate_wgmma_tactic(tactic, qkvg_rows, k, k) or validate_wgmma_tactic(tactic, fab_rows, k, k)
@@ -62,8 +61,7 @@ class WgmmaStage(WgmmaGemm):
 
     def staging_bytes(self) -> int:
         """Shared memory F_B stages in the drained ring: one pass of tokens' f_a rows and the CTA's W_fb rows."""
-        tokens = self.tactic.consumer_threads // F_B_GROUPS
-        return (tokens + self.fb_share) * (self.d + ROW_PAD) * 2
+        return (self.pass_tokens() + self.mma_rows()) * (self.d + ROW_PAD) * 2
 
     @cute.jit
     def __call__(
@@ -159,8 +157,9 @@ class WgmmaStage(WgmmaGemm):
 
     @cute.jit
     def _f_b(self, m_fab, m_w_fb, m_g1, m_chain, ring, share, expected, tidx):
-        """Rows ``share * fb_share ..`` of ``g1`` for every token, once ``expected`` F_A/beta tiles are counted in.
-        Each thread takes one token and a quarter of the rows; f_a is staged a pass of tokens at a time."""
+        """Rows ``share * fb_share ..`` of ``g1`` for every token, once ``expected`` F_A/beta tiles are counted in:
+        ``mma.sync`` with the rows on its M side (the share padded to 16 with the next rows, never stored) and 8
+        tokens per consumer warp, f_a staged one pass of tokens at a time."""
         t = self.tactic
         dtype = m_g1.element_type
         m_tokens = m_fab.shape[0]
@@ -172,30 +171,45 @@ class WgmmaStage(WgmmaGemm):
                 arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
             cute.arch.fence_acq_rel_gpu()
         self._consumers_sync()
-        lanes = t.consumer_threads // F_B_GROUPS  # tokens per pass
-        rows = self.fb_share // F_B_GROUPS  # g1 rows per thread
+        warps = t.consumer_threads // 32
+        lanes, rows = self.pass_tokens(), self.mma_rows()
         stride = self.d + ROW_PAD
         s_fa = cute.make_tensor(ring, cute.make_layout((lanes, self.d), stride=(stride, 1)))
-        s_wb = cute.make_tensor(ring + lanes * stride, cute.make_layout((self.fb_share, self.d), stride=(stride, 1)))
+        s_wb = cute.make_tensor(ring + lanes * stride, cute.make_layout((rows, self.d), stride=(stride, 1)))
+        first_row = share * self.fb_share
+        # The share's W_fb rows; the MMA's padding rows stay unloaded: they feed only outputs that are not stored.
         self._stage_rows(cute.local_tile(m_w_fb, (self.fb_share, self.d), (share, 0)), s_wb, self.fb_share,
                          self.fb_share, tidx)
-        token_lane, group = tidx // F_B_GROUPS, tidx % F_B_GROUPS
-        first_row = share * self.fb_share + group * rows
+        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(dtype, cutlass.Float32, MMA_SHAPE),
+                                  cute.make_layout((1, warps, 1)))
+        thr_mma = mma.get_slice(tidx)
+        t_ra = mma.make_fragment_A(thr_mma.partition_A(s_wb))
+        t_rb = mma.make_fragment_B(thr_mma.partition_B(s_fa))
+        c_g1 = cute.make_identity_tensor((rows, lanes))
+        t_c = thr_mma.partition_C(c_g1)
+        acc = cute.make_rmem_tensor(t_c.shape, cutlass.Float32)
         for p in cutlass.range(cute.ceil_div(m_tokens, lanes), unroll=1):
             first = p * lanes
             # f_a: F_A/beta's first d columns.
             self._stage_rows(cute.local_tile(m_fab, (lanes, self.d), (p, 0)), s_fa, lanes, m_tokens - first, tidx)
             self._consumers_sync()
-            token = first + token_lane
-            if token < m_tokens:
-                acc = [cutlass.Float32(0.0) for _ in range(rows)]
-                for kk in cutlass.range_constexpr(self.d):
-                    a = s_fa[token_lane, kk].to(cutlass.Float32)
-                    for r in cutlass.range_constexpr(rows):
-                        acc[r] = acc[r] + a * s_wb[group * rows + r, kk].to(cutlass.Float32)
-                for r in cutlass.range_constexpr(rows):
-                    m_g1[token, first_row + r] = acc[r].to(dtype)
+            cute.autovec_copy(thr_mma.partition_A(s_wb), t_ra)
+            cute.autovec_copy(thr_mma.partition_B(s_fa), t_rb)
+            acc.fill(0.0)
+            cute.gemm(mma, acc, t_ra, t_rb, acc)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row, token = t_c[i]
+                if row < self.fb_share and first + token < m_tokens:
+                    m_g1[first + token, first_row + row] = acc[i].to(dtype)
             self._consumers_sync()  # the pass's f_a is read before the next one overwrites it
+
+    def pass_tokens(self) -> int:
+        """Tokens of one F_B pass: 8 per consumer warp (``mma.sync``'s N)."""
+        return self.tactic.consumer_threads // 32 * MMA_SHAPE[1]
+
+    def mma_rows(self) -> int:
+        """F_B rows one CTA's MMAs cover: its share, padded to ``mma.sync``'s M."""
+        return -(-self.fb_share // MMA_SHAPE[0]) * MMA_SHAPE[0]
 
     @cute.jit
     def _stage_rows(self, g_rows, s_rows, rows: cutlass.Constexpr[int], count, tidx):
