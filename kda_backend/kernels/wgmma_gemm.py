@@ -450,8 +450,20 @@ class WgmmaGemm:
         s_last = None
         if cutlass.const_expr(t.uses_workspace):
             s_last = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), SPLIT_K_FLAG_BYTES)
+        ring = smem.allocate_array(dtype, self.ring_elems(s_w_layout, s_x_layout), byte_alignment=SWIZZLE_ATOM_BYTES)
+        mainloop, s_w, s_x, s_x_box = self._pipeline_on(barriers, ring, dtype, s_w_layout, s_x_layout, s_x_box_layout)
+        return mainloop, s_w, s_x, s_x_box, ring, s_last
+
+    @staticmethod
+    def ring_elems(s_w_layout, s_x_layout) -> int:
+        """Elements of the ring: every slot's weight tiles, then every slot's activation tiles."""
+        return cute.cosize(s_w_layout.outer) + cute.cosize(s_x_layout.outer)
+
+    def _pipeline_on(self, barriers, ring, dtype, s_w_layout, s_x_layout, s_x_box_layout):
+        """``(mainloop, s_w, s_x, s_x_box)``: the ring's pipeline over ``2 * stages`` mbarriers at ``barriers``
+        (initialized here, with a sync of the whole CTA) and its operand views over the ring at ``ring``."""
+        t = self.tactic
         w_elems = cute.cosize(s_w_layout.outer)
-        ring = smem.allocate_array(dtype, w_elems + cute.cosize(s_x_layout.outer), byte_alignment=SWIZZLE_ATOM_BYTES)
         s_w = cute.make_tensor(cute.recast_ptr(ring, s_w_layout.inner, dtype=dtype), s_w_layout.outer)
         s_x = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_layout.inner, dtype=dtype), s_x_layout.outer)
         s_x_box = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_box_layout.inner, dtype=dtype),
@@ -466,7 +478,7 @@ class WgmmaGemm:
             tx_count=t.stage_bytes(),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
-        return mainloop, s_w, s_x, s_x_box, ring, s_last
+        return mainloop, s_w, s_x, s_x_box
 
     @cute.jit
     def _tile_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,

@@ -1,67 +1,126 @@
-"""The whole projection stage in one Hopper launch: QKVG and F_A/beta as tokens-on-M wgmma tiles of one grid, F_B
-in the QKVG CTAs' epilogues (no fork, no second launch: the same bits on every host).
+"""The whole projection stage in one Hopper launch: QKVG on most SMs, the side chain (F_A/beta, then F_B) on the
+SMs QKVG leaves free, all as tokens-on-M ``wgmma`` tiles of one grid. No fork and no second launch: the same
+schedule, and the same bits, on every host and in every graph mode.
 
-- Grid: ``fab_blocks + qkvg_blocks`` row blocks of one ``tokens_on_m`` tactic (``block_n`` weight rows each) by
-  the token tiles. F_A/beta's row blocks come first (the lowest block indices), so they are dispatched before the
-  CTAs that wait for them.
-- An F_A/beta CTA stores its tile and counts it in on ``chain[0]`` (release: the tile is visible device-wide first).
-- A QKVG CTA stores its tile; those of the first token tile then wait until every F_A/beta tile is counted in and
-  compute their share of ``g1 = f_a @ W_fb^T`` (``fb_rows / qkvg_blocks`` rows, every token): f_a and the share of
-  W_fb staged in the drained ring, ``mma.sync`` into fp32 in a fixed order, so the result is deterministic. Every
-  QKVG CTA then counts itself out on ``chain[1]``; the last one resets both counters for the stream's next launch.
-- The F_A/beta tiles take as long as QKVG's (the same rows per CTA over the same K), so F_B starts about when
-  QKVG's last tile is stored, without a kernel boundary between them.
-
-Not yet run on a GPU: a prototype for the mid-M stage (issue: stage at the floor from M = 17), compile-checked
-for sm_90a on the CPU.
+- Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
+  the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
+  CTAs of 48 rows). One token tile: M up to the tactic's ``block_t``.
+- Side-chain CTA ``i`` computes F_A/beta's row block ``i`` (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's,
+  so it finishes first), counts it in on ``chain[0]`` (release), waits until every side-chain CTA counted in, then
+  computes ``passes`` row blocks of ``g1 = f_a @ W_fb^T`` for every token: f_a (F_A/beta's first ``d`` columns,
+  written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
+  beyond F_A/beta's covers F_B.
+- The side-chain CTAs wait only for each other, and they are dispatched before QKVG's, which wait for nothing: the
+  launch cannot deadlock. The last side-chain CTA past the wait resets both counters (``chain[1]`` counts them past
+  it), so the stream's next launch finds them zero.
+- Every tile is one CTA's, accumulated in a fixed order: bitwise deterministic.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 from cutlass.cute.nvgpu import cpasync
 
-from kda_backend.kernels.skinny_gemm import COPY_BITS, ELEMS_PER_COPY, MMA_SHAPE
-from kda_backend.kernels.wgmma_gemm import WgmmaGemm, WgmmaTactic, validate_wgmma_tactic
+from kda_backend.kernels.skinny_gemm import MAX_SMEM_BYTES, row_blocks
+from kda_backend.kernels.wgmma_gemm import (
+    MAX_STAGES,
+    RING_OFFSET_BYTES,
+    SMS,
+    SWIZZLE_ATOM_BYTES,
+    WgmmaGemm,
+    WgmmaTactic,
+    validate_wgmma_tactic,
+)
 
-ROW_PAD = 8  # bf16 elements past each staged row: consecutive rows then start on different shared-memory banks
-STAGE_COUNTERS = 2  # chain[0]: F_A/beta tiles stored; chain[1]: QKVG CTAs done
+STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
+FB_PASSES = 2  # F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
+MAX_TILE_ROWS = 256  # tokens_on_m: weight rows are the MMA's N
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """How one stage launch divides the work: the tactics of QKVG, F_A/beta and F_B (all tokens-on-M, one token
+    tile) and the side-chain CTAs."""
+
+    qkvg: WgmmaTactic
+    fab: WgmmaTactic
+    fb: WgmmaTactic
+    side: int
+
+
+def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
+               sms: int = SMS) -> StagePlan | str:
+    """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the one-launch
+    stage."""
+    if not tactic.tokens_on_m or tactic.split_k != 1:
+        return f"tactic {tactic.key()}: the one-launch stage takes an unsplit tokens_on_m tactic"
+    side = sms - row_blocks(qkvg_rows, tactic.block_n)
+    if side < 1:
+        return f"QKVG's {row_blocks(qkvg_rows, tactic.block_n)} row blocks leave none of {sms} SMs to the side chain"
+    fab_block = -(-fab_rows // (side * 8)) * 8
+    fb_blocks = side * FB_PASSES
+    if fb_rows % fb_blocks or (fb_rows // fb_blocks) % 8 or fb_rows // fb_blocks > MAX_TILE_ROWS:
+        return (f"F_B's {fb_rows} rows do not split into {fb_blocks} row blocks of a multiple of 8 up to "
+                f"{MAX_TILE_ROWS}")
+    if d % 64 or d > fab_rows:
+        return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
+    # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
+    # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
+    # a QKVG CTA, it finishes well before QKVG and leaves that time to F_B.
+    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1)
+    ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
+    fab_stages = ring // fab_probe.slot_bytes()
+    fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
+    # F_B's K-tiles all load at once: one ring per pass, each as deep as F_B's K-tiles.
+    fb = dataclasses.replace(tactic, block_n=fb_rows // fb_blocks, stages=d // 64, pdl=False)
+    if FB_PASSES * fb.stages * fb.slot_bytes() > ring:
+        return f"F_B's {FB_PASSES} passes of {fb.stages} K-tiles need more than {ring} bytes of shared memory"
+    reason = (validate_wgmma_tactic(tactic, qkvg_rows, k, k) or validate_wgmma_tactic(fab, fab_rows, k, k)
+              or validate_wgmma_tactic(fb, fb_rows, d, fab_rows))
+    return reason or StagePlan(tactic, fab, fb, side)
 
 
 def validate_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int) -> str | None:
     """``None`` if :class:`WgmmaStage` serves these shapes with ``tactic``, else why not."""
-    if not tactic.tokens_on_m or tactic.split_k != 1:
-        return f"tactic {tactic.key()}: the one-launch stage takes an unsplit tokens_on_m tactic"
-    for name, rows in (("QKVG", qkvg_rows), ("F_A/beta", fab_rows)):
-        if rows % tactic.block_n:
-            return f"{name}'s {rows} rows are not a multiple of block_n={tactic.block_n}"
-    qkvg_blocks = qkvg_rows // tactic.block_n
-    if fb_rows % qkvg_blocks:
-        return f"F_B's {fb_rows} rows do not split over {qkvg_blocks} QKVG CTAs"
-    if d > fab_rows or d % ELEMS_PER_COPY:
-        return f"F_B's K={d} must be a multiple of {ELEMS_PER_COPY} within F_A/beta's {fab_rows} rows"
-    return validate_wgmma_tactic(tactic, qkvg_rows, k, k) or validate_wgmma_tactic(tactic, fab_rows, k, k)
+    found = plan_stage(tactic, qkvg_rows, fab_rows, fb_rows, k, d)
+    return found if isinstance(found, str) else None
 
 
-class WgmmaStage(WgmmaGemm):
-    """The one-launch stage for one tactic and one geometry (QKVG, F_A/beta and F_B rows, hidden size ``k``, F_B's
-    K ``d``); M is a runtime value."""
+class WgmmaStage:
+    """The one-launch stage for one QKVG tactic (its ``block_t`` bounds M) and one geometry: QKVG, F_A/beta and
+    F_B rows, hidden size ``k`` and F_B's K ``d``; M is a runtime value."""
 
     def __init__(self, tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int) -> None:
-        reason = validate_stage(tactic, qkvg_rows, fab_rows, fb_rows, k, d)
-        if reason is not None:
-            raise ValueError(reason)
-        super().__init__(tactic, qkvg_rows, k, k, k)
-        self.fab_rows, self.fb_rows, self.d = fab_rows, fb_rows, d
-        self.qkvg_blocks, self.fab_blocks = qkvg_rows // tactic.block_n, fab_rows // tactic.block_n
-        self.fb_share = fb_rows // self.qkvg_blocks  # F_B rows per QKVG CTA
-        if self.staging_bytes() > tactic.stages * tactic.slot_bytes():
-            raise ValueError(f"tactic {tactic.key()}: its ring cannot stage F_B ({self.staging_bytes()} bytes)")
+        found = plan_stage(tactic, qkvg_rows, fab_rows, fb_rows, k, d)
+        if isinstance(found, str):
+            raise ValueError(found)
+        self.plan = found
+        self.k, self.d, self.fab_rows = k, d, fab_rows
+        self.qkvg = WgmmaGemm(found.qkvg, qkvg_rows, k, k, k)
+        self.fab = WgmmaGemm(found.fab, fab_rows, k, k, k)
+        # F_B's activations: f_a, the first d columns of the F_A/beta output (row stride fab_rows).
+        self.fb = WgmmaGemm(found.fb, fb_rows, d, fab_rows, d)
 
-    def staging_bytes(self) -> int:
-        """Shared memory F_B stages in the drained ring: one pass of tokens' f_a rows and the CTA's W_fb rows."""
-        return (self.pass_tokens() + self.mma_rows()) * (self.d + ROW_PAD) * 2
+    @property
+    def n(self) -> int:
+        """QKVG's rows (the compile cache's name for the main output's width)."""
+        return self.qkvg.n
+
+    def smem_bytes(self) -> int:
+        """The barrier area, then the largest ring of the three GEMMs (F_B's two passes side by side)."""
+        p = self.plan
+        rings = (p.qkvg.stages * p.qkvg.slot_bytes(), p.fab.stages * p.fab.slot_bytes(),
+                 FB_PASSES * p.fb.stages * p.fb.slot_bytes())
+        return RING_OFFSET_BYTES + max(rings)
+
+    def barriers(self) -> int:
+        """mbarriers: a full/empty pair per slot of the larger of QKVG's and F_A/beta's rings, then F_B's."""
+        p = self.plan
+        return 2 * max(p.qkvg.stages, p.fab.stages) + FB_PASSES * 2 * p.fb.stages
 
     @cute.jit
     def __call__(
@@ -76,155 +135,115 @@ class WgmmaStage(WgmmaGemm):
         m_chain: cute.Tensor,
         stream,
     ):
-        """``qkvg = x @ w_qkvg.T``, ``fab = x @ w_fab.T``, ``g1 = fab[:, :d] @ w_fb.T``: ``m_x`` (M, K), the weights
-        (rows, K) and outputs (M, rows) contiguous bf16, ``m_w_fb`` (fb_rows, d); ``m_chain`` int32
-        ``[STAGE_COUNTERS]``, zero on entry and left zero on exit."""
-        t = self.tactic
-        tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w_qkvg.element_type)
-        tile = (t.block_n, t.block_k)
-        q_tma, q_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w_qkvg, s_w_layout, tile)
-        f_tma, f_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w_fab, s_w_layout, tile)
+        """``qkvg = x @ w_qkvg.T``, ``fab = x @ w_fab.T``, ``g1 = fab[:, :d] @ w_fb.T``: ``m_x`` (M, K) with M up to
+        the tactic's ``block_t``, the weights (rows, K) and outputs (M, rows) contiguous bf16, ``m_w_fb``
+        (fb_rows, d); ``m_chain`` int32 ``[STAGE_COUNTERS]``, zero on entry and left zero on exit."""
+        p = self.plan
+        dtype = m_w_qkvg.element_type
+        q_ops = self._operands(self.qkvg, m_w_qkvg, m_x, dtype)
+        f_ops = self._operands(self.fab, m_w_fab, m_x, dtype)
+        m_fa = cute.make_tensor(m_fab.iterator, cute.make_layout((m_fab.shape[0], self.d), stride=(self.fab_rows, 1)))
+        b_ops = self._operands(self.fb, m_w_fb, m_fa, dtype)
+        outs = [cute.make_tensor(o.iterator, cute.select(o.layout, mode=[1, 0])) for o in (m_qkvg, m_fab, m_g1)]
+        grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n), 1, 1)
+        self.stage_kernel(*q_ops, *f_ops, *b_ops, *outs, m_chain).launch(
+            grid=grid, block=[p.qkvg.threads, 1, 1], smem=self.smem_bytes(), stream=stream, use_pdl=p.qkvg.pdl
+        )
+
+    @staticmethod
+    def _operands(gemm: WgmmaGemm, m_w, m_x, dtype):
+        """One GEMM's kernel operands: its MMA, ring layouts and TMA atoms over ``m_w`` and ``m_x``."""
+        t = gemm.tactic
+        tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = gemm._operand_layouts(dtype)
+        w_tma, w_src = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
+        )
         x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
-        m_qkvg_t = cute.make_tensor(m_qkvg.iterator, cute.select(m_qkvg.layout, mode=[1, 0]))
-        m_fab_t = cute.make_tensor(m_fab.iterator, cute.select(m_fab.layout, mode=[1, 0]))
-        grid = (self.fab_blocks + self.qkvg_blocks, cute.ceil_div(m_x.shape[0], t.block_t), 1)
-        self.stage_kernel(
-            q_tma, q_src, f_tma, f_src, x_tma, x_src, m_qkvg_t, m_fab_t, m_fab, m_w_fb, m_g1, m_chain, s_w_layout,
-            s_x_layout, s_x_box_layout, tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        return w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma
 
     @cute.kernel
     def stage_kernel(
         self,
-        q_tma: cute.CopyAtom,
-        q_src: cute.Tensor,
-        f_tma: cute.CopyAtom,
-        f_src: cute.Tensor,
-        x_tma: cute.CopyAtom,
-        x_src: cute.Tensor,
+        q_w_tma: cute.CopyAtom, q_w_src: cute.Tensor, q_x_tma: cute.CopyAtom, q_x_src: cute.Tensor,
+        q_s_w: cute.ComposedLayout, q_s_x: cute.ComposedLayout, q_s_x_box: cute.ComposedLayout, q_mma: cute.TiledMma,
+        f_w_tma: cute.CopyAtom, f_w_src: cute.Tensor, f_x_tma: cute.CopyAtom, f_x_src: cute.Tensor,
+        f_s_w: cute.ComposedLayout, f_s_x: cute.ComposedLayout, f_s_x_box: cute.ComposedLayout, f_mma: cute.TiledMma,
+        b_w_tma: cute.CopyAtom, b_w_src: cute.Tensor, b_x_tma: cute.CopyAtom, b_x_src: cute.Tensor,
+        b_s_w: cute.ComposedLayout, b_s_x: cute.ComposedLayout, b_s_x_box: cute.ComposedLayout, b_mma: cute.TiledMma,
         m_qkvg_t: cute.Tensor,
         m_fab_t: cute.Tensor,
-        m_fab: cute.Tensor,
-        m_w_fb: cute.Tensor,
-        m_g1: cute.Tensor,
+        m_g1_t: cute.Tensor,
         m_chain: cute.Tensor,
-        s_w_layout: cute.ComposedLayout,
-        s_x_layout: cute.ComposedLayout,
-        s_x_box_layout: cute.ComposedLayout,
-        tiled_mma: cute.TiledMma,
     ):
-        """Row blocks ``0 .. fab_blocks - 1`` are F_A/beta's, the rest QKVG's (see the module docstring)."""
-        t = self.tactic
+        """Per GEMM (``q_`` QKVG, ``f_`` F_A/beta, ``b_`` F_B): TMA atoms and coordinate tensors of weights and
+        activations, ring layouts and MMA (see :meth:`WgmmaGemm.kernel`); outputs transposed (rows, M). Block
+        indices ``0 .. side - 1`` are the side chain's, the rest QKVG's (see the module docstring)."""
+        p = self.plan
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        bidx, bidy, _ = cute.arch.block_idx()
-        _, token_tiles, _ = cute.arch.grid_dim()
-        mainloop, s_w, s_x, s_x_box, ring, _ = self._ring(m_qkvg_t.element_type, s_w_layout, s_x_layout,
-                                                         s_x_box_layout)
-        consumer = warp < t.consumer_threads // 32
-        if bidx < self.fab_blocks:
-            self._tile_per_cta(mainloop, f_tma, f_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_fab_t, None, None,
-                               None, tiled_mma, warp, tidx, bidx, bidy, 0)
-            if consumer:
-                self._count_in(m_chain, tidx)
+        bidx, _, _ = cute.arch.block_idx()
+        dtype = m_qkvg_t.element_type
+        smem = cutlass.memory.SmemAllocator()
+        barriers = smem.allocate_array(cutlass.Int64, self.barriers(), byte_alignment=8)
+        ring = smem.allocate_array(dtype, (self.smem_bytes() - RING_OFFSET_BYTES) // 2,
+                                   byte_alignment=SWIZZLE_ATOM_BYTES)
+        if bidx >= p.side:
+            mainloop, s_w, s_x, s_x_box = self.qkvg._pipeline_on(barriers, ring, dtype, q_s_w, q_s_x, q_s_x_box)
+            self.qkvg._tile_per_cta(mainloop, q_w_tma, q_w_src, q_x_tma, q_x_src, s_w, s_x, s_x_box, ring, m_qkvg_t,
+                                    None, None, None, q_mma, warp, tidx, bidx - p.side, 0, 0)
         else:
-            block = bidx - self.fab_blocks
-            self._tile_per_cta(mainloop, q_tma, q_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_qkvg_t, None, None,
-                               None, tiled_mma, warp, tidx, block, bidy, 0)
-            if consumer:
-                if bidy == 0:
-                    self._f_b(m_fab, m_w_fb, m_g1, m_chain, ring, block, self.fab_blocks * token_tiles, tidx)
-                self._count_out(m_chain, self.qkvg_blocks * token_tiles, tidx)
+            if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
+                self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx)
+            mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
+            self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
+                                   None, None, None, f_mma, warp, tidx, bidx, 0, 0)
+            self._wait_for_side_chain(m_chain, tidx)
+            # F_B's passes, each with its own ring and barriers, all loads issued at once.
+            fb_barriers = barriers + 2 * max(p.qkvg.stages, p.fab.stages)
+            fb_ring = WgmmaGemm.ring_elems(b_s_w, b_s_x)
+            for j in cutlass.range_constexpr(FB_PASSES):
+                mainloop, s_w, s_x, s_x_box = self.fb._pipeline_on(
+                    fb_barriers + j * 2 * p.fb.stages, ring + j * fb_ring, dtype, b_s_w, b_s_x, b_s_x_box
+                )
+                self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
+                                      ring + j * fb_ring, m_g1_t, None, None, None, b_mma, warp, tidx,
+                                      bidx * FB_PASSES + j, 0, 0)
+
+    def _prefetch_fb_weights(self, b_w_tma, b_w_src, ring, b_s_w, dtype, side_cta):
+        """Start reading this side-chain CTA's W_fb tiles into L2 (TMA prefetch), so F_B's loads find them there."""
+        t = self.plan.fb
+        s_w = cute.make_tensor(cute.recast_ptr(ring, b_s_w.inner, dtype=dtype), b_s_w.outer)
+        for j in range(FB_PASSES):
+            g_w = cute.local_tile(b_w_src, (t.block_n, t.block_k), (side_cta * FB_PASSES + j, None))
+            _, t_gw = cpasync.tma_partition(
+                b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
+            )
+            for k in range(self.d // t.block_k):
+                cute.prefetch(b_w_tma, t_gw[None, k])
 
     @cute.jit
-    def _count_in(self, m_chain, tidx):
-        """Count this F_A/beta tile in on ``chain[0]``; release: every consumer's stores are visible first."""
+    def _wait_for_side_chain(self, m_chain, tidx):
+        """Count this CTA's F_A/beta tile in and wait for every side-chain CTA's (the whole CTA). Release: each
+        thread's stores are visible device-wide before thread 0 counts in; acquire: thread 0's fence after the
+        wait orders the CTA's later reads, and the async-proxy fences let TMA read what generic stores wrote
+        (the F_A/beta outputs in global memory, the staged tile in the ring)."""
+        side = self.plan.side
         cute.arch.fence_acq_rel_gpu()
-        self._consumers_sync()
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
         if tidx == 0:
             cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
-
-    @cute.jit
-    def _count_out(self, m_chain, ctas, tidx):
-        """Count this QKVG CTA out on ``chain[1]``; the last of ``ctas`` resets both counters (stream order makes
-        the reset visible to the stream's next launch)."""
-        self._consumers_sync()
-        if tidx == 0:
-            done = cute.arch.atomic_add(m_chain.iterator + 1, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-            if done == ctas - 1:
-                m_chain[0] = 0
-                m_chain[1] = 0
-
-    @cute.jit
-    def _f_b(self, m_fab, m_w_fb, m_g1, m_chain, ring, share, expected, tidx):
-        """Rows ``share * fb_share ..`` of ``g1`` for every token, once ``expected`` F_A/beta tiles are counted in:
-        ``mma.sync`` with the rows on its M side (the share padded to 16 with the next rows, never stored) and 8
-        tokens per consumer warp, f_a staged one pass of tokens at a time."""
-        t = self.tactic
-        dtype = m_g1.element_type
-        m_tokens = m_fab.shape[0]
-        self._consumers_sync()  # the output tile has left the ring
-        # Relaxed polls, one fence after (as the trailing side chain's F_B waits for F_A/beta's tiles).
-        if tidx == 0:
+            # Relaxed polls, one fence after.
             arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
-            while arrived < expected:
+            while arrived < side:
                 arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
             cute.arch.fence_acq_rel_gpu()
-        self._consumers_sync()
-        warps = t.consumer_threads // 32
-        lanes, rows = self.pass_tokens(), self.mma_rows()
-        stride = self.d + ROW_PAD
-        s_fa = cute.make_tensor(ring, cute.make_layout((lanes, self.d), stride=(stride, 1)))
-        s_wb = cute.make_tensor(ring + lanes * stride, cute.make_layout((rows, self.d), stride=(stride, 1)))
-        first_row = share * self.fb_share
-        # The share's W_fb rows; the MMA's padding rows stay unloaded: they feed only outputs that are not stored.
-        self._stage_rows(cute.local_tile(m_w_fb, (self.fb_share, self.d), (share, 0)), s_wb, self.fb_share,
-                         self.fb_share, tidx)
-        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(dtype, cutlass.Float32, MMA_SHAPE),
-                                  cute.make_layout((1, warps, 1)))
-        thr_mma = mma.get_slice(tidx)
-        t_ra = mma.make_fragment_A(thr_mma.partition_A(s_wb))
-        t_rb = mma.make_fragment_B(thr_mma.partition_B(s_fa))
-        c_g1 = cute.make_identity_tensor((rows, lanes))
-        t_c = thr_mma.partition_C(c_g1)
-        acc = cute.make_rmem_tensor(t_c.shape, cutlass.Float32)
-        for p in cutlass.range(cute.ceil_div(m_tokens, lanes), unroll=1):
-            first = p * lanes
-            # f_a: F_A/beta's first d columns.
-            self._stage_rows(cute.local_tile(m_fab, (lanes, self.d), (p, 0)), s_fa, lanes, m_tokens - first, tidx)
-            self._consumers_sync()
-            cute.autovec_copy(thr_mma.partition_A(s_wb), t_ra)
-            cute.autovec_copy(thr_mma.partition_B(s_fa), t_rb)
-            acc.fill(0.0)
-            cute.gemm(mma, acc, t_ra, t_rb, acc)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                row, token = t_c[i]
-                if row < self.fb_share and first + token < m_tokens:
-                    m_g1[first + token, first_row + row] = acc[i].to(dtype)
-            self._consumers_sync()  # the pass's f_a is read before the next one overwrites it
-
-    def pass_tokens(self) -> int:
-        """Tokens of one F_B pass: 8 per consumer warp (``mma.sync``'s N)."""
-        return self.tactic.consumer_threads // 32 * MMA_SHAPE[1]
-
-    def mma_rows(self) -> int:
-        """F_B rows one CTA's MMAs cover: its share, padded to ``mma.sync``'s M."""
-        return -(-self.fb_share // MMA_SHAPE[0]) * MMA_SHAPE[0]
-
-    @cute.jit
-    def _stage_rows(self, g_rows, s_rows, rows: cutlass.Constexpr[int], count, tidx):
-        """Copy the first ``count`` of ``rows`` rows of ``g_rows`` (rows, d) into ``s_rows`` in 16-byte vectors."""
-        t = self.tactic
-        per_row = self.d // ELEMS_PER_COPY
-        vec = (1, ELEMS_PER_COPY)
-        v_g, v_s = cute.zipped_divide(g_rows, vec), cute.zipped_divide(s_rows, vec)
-        copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), g_rows.element_type, num_bits_per_copy=COPY_BITS)
-        vectors = rows * per_row
-        for j in cutlass.range_constexpr(-(-vectors // t.consumer_threads)):
-            i = j * t.consumer_threads + tidx
-            r, c = i // per_row, i % per_row
-            if i < vectors and r < count:
-                cute.copy(copy, v_g[(None, (r, c))], v_s[(None, (r, c))])
+            past = cute.arch.atomic_add(m_chain.iterator + 1, cutlass.Int32(1), sem="relaxed", scope="gpu")
+            if past == side - 1:  # every side-chain CTA has seen chain[0] complete
+                m_chain[0] = 0
+                m_chain[1] = 0
+        cute.arch.sync_threads()
+        cute.arch.fence_proxy("async.global")
 
 
 def compile_stage(stage: WgmmaStage, arch: str):
@@ -239,10 +258,11 @@ def compile_stage(stage: WgmmaStage, arch: str):
     def bf16(shape):
         return make_fake_tensor(cutlass.BFloat16, shape, (shape[1], 1), assumed_align=16)
 
-    k = stage.k
+    k, fab_rows, fb_rows = stage.k, stage.fab_rows, stage.fb.n
     operands = (
-        bf16((m, k)), bf16((stage.n, k)), bf16((m, stage.n)), bf16((stage.fab_rows, k)), bf16((m, stage.fab_rows)),
-        bf16((stage.fb_rows, stage.d)), bf16((m, stage.fb_rows)),
+        bf16((m, k)), bf16((stage.n, k)), bf16((m, stage.n)), bf16((fab_rows, k)), bf16((m, fab_rows)),
+        bf16((fb_rows, stage.d)), bf16((m, fb_rows)),
         make_fake_tensor(cutlass.Int32, (STAGE_COUNTERS,), (1,), assumed_align=4),
     )
     return _compile_tagged(stage, operands, arch)
+
