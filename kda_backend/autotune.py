@@ -122,6 +122,8 @@ def step_error(weights: list[ProjectionWeights], step: Step, m: int, tactics: Ta
     w = weights[0]
     g = w.geometry
     proj = KDAProjection(w, Plan(steps={m: step}, source="candidate", tactics=tactics), for_tuning=True)
+    if step.fused and proj.stage(m).mode != "fused":
+        return "the fused stage was not taken (see its warning)"
     x = torch.randn(m, g.hidden_size, device=w.device, dtype=torch.bfloat16)
     ref = reference_projection(x, w.w_qkvg, w.w_fab, w.w_fb, g)
     buffers = [torch.full((m, cols), float("nan"), device=w.device, dtype=torch.bfloat16)
@@ -421,13 +423,29 @@ def usable_providers(
     return usable
 
 
-def step_candidates(m: int, usable: dict[str, tuple[str, ...]]) -> list[Step]:
+def fusing_providers(weights: ProjectionWeights, m: int, tactics: TacticTable | None = None) -> tuple[str, ...]:
+    """The names of the providers that run this device's whole stage at ``m`` tokens as one fused launch
+    (:meth:`~kda_backend.providers.base.GemmProvider.why_not_fused`)."""
+    projection = KDAProjection(weights, Plan(tactics=tactics or {}))
+    calls = {role: projection.gemm_call(role, m) for role in ROLES}
+    names = []
+    for provider in hooks.gemm_providers():
+        try:
+            if dispatch.broken_reason(provider.name) is None and provider.why_not_fused(calls) is None:
+                names.append(provider.name)
+        except Exception:  # a plugin's provider may fail in any way; it then fuses nothing here
+            continue
+    return tuple(names)
+
+
+def step_candidates(m: int, usable: dict[str, tuple[str, ...]], fusing: tuple[str, ...] = ()) -> list[Step]:
     """Overlapped or sequential x provider of QKVG x provider of the side chain. F_B follows the side chain's
-    provider where that one serves it (it reads a strided view not every provider takes), else ``auto``."""
+    provider where that one serves it (it reads a strided view not every provider takes), else ``auto``. Then a
+    fused step for each provider in ``fusing`` (overlapped where its fused stage is not taken)."""
     return [
         Step(overlap=overlap, qkvg=main, fab=side, fb=side if side in usable["fb"] else AUTO)
         for overlap, main, side in itertools.product((False, True), usable["qkvg"], usable["fab"])
-    ]
+    ] + [Step(overlap=True, fused=True, qkvg=name, fab=name, fb=name) for name in fusing]
 
 
 def time_step(weights: list[ProjectionWeights], step: Step, m: int, tactics: TacticTable) -> float:
@@ -481,7 +499,8 @@ def tune_plan(
     timings: dict[int, dict[str, float]] = {}
     for m in ms:
         results = []
-        for step in step_candidates(m, usable_providers(weights[0], m, tactics)):
+        usable = usable_providers(weights[0], m, tactics)
+        for step in step_candidates(m, usable, fusing_providers(weights[0], m, tactics)):
             try:
                 reason = step_error(weights, step, m, tactics)
                 if reason is not None:
@@ -500,7 +519,7 @@ def tune_plan(
     return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH, tactics=tactics), timings
 
 
-MODE_LABELS = {"overlap": "ovl", "sequential": "seq"}
+MODE_LABELS = {"fused": "fused", "overlap": "ovl", "sequential": "seq"}
 
 
 def _step_label(step: Step) -> str:

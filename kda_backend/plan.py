@@ -1,4 +1,4 @@
-"""A projection plan: per token count M, overlapped or sequential, and which provider serves each GEMM.
+"""A projection plan: per token count M, fused, overlapped or sequential, and which provider serves each GEMM.
 
 A plan has steps for the M values it was tuned for. An M between two tuned ones borrows the step of the next larger
 tuned M: its kernels were tuned for at least as many tokens (the CuTe tactics come in buckets of M that the larger
@@ -31,7 +31,7 @@ from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.providers.base import ROLES
 
 AUTO = "auto"
-STEP_FIELDS = ("overlap", *ROLES)
+STEP_FIELDS = ("overlap", *ROLES, "fused")
 PLAN_FIELDS = ("source", "fallback", "steps")
 _M_KEY = re.compile(r"[1-9][0-9]*")
 TACTIC_ROW_FIELDS = ("role", "n", "k", "bucket", "tactic")
@@ -140,16 +140,20 @@ class Step:
     :param overlap: run the F_A/beta -> F_B chain beside QKVG: forked onto an aux stream where the host allows a
         fork, else trailing QKVG's launch on its stream where the provider can (the same bits either way); else the
         three GEMMs run one after another.
+    :param fused: run the whole stage as one launch of the provider that serves all three GEMMs
+        (:meth:`~kda_backend.providers.base.GemmProvider.fused_launcher`), with or without a fork; where it cannot
+        (one warning) the step runs as ``overlap`` says.
     """
 
     overlap: bool = False
     qkvg: str = AUTO
     fab: str = AUTO
     fb: str = AUTO
+    fused: bool = False
 
     @property
     def mode(self) -> str:
-        return "overlap" if self.overlap else "sequential"
+        return "fused" if self.fused else "overlap" if self.overlap else "sequential"
 
     def provider(self, role: str) -> str:
         return getattr(self, role)
@@ -159,17 +163,19 @@ class Step:
 
     @classmethod
     def from_json(cls, data: Any, providers: Collection[str] | None = None, where: str = "step") -> Step:
-        """A step from its JSON object: ``overlap`` a JSON bool, each role a provider name (missing fields take
-        their defaults).
+        """A step from its JSON object: ``overlap`` and ``fused`` JSON bools, each role a provider name (missing
+        fields take their defaults).
 
         :param providers: the registered provider names; ``None`` accepts any non-empty name.
         :param where: how messages name this step (e.g. ``steps['4']``).
         :raises PlanError: an unknown or ill-typed field, or a provider that is not registered.
         """
         data = require_object(where, data, STEP_FIELDS)
-        overlap = data.get("overlap", False)
-        if not isinstance(overlap, bool):
-            raise PlanError(f"{where}.overlap: {overlap!r} is {json_type(overlap)}; accepted: true or false")
+        flags = {}
+        for flag in ("overlap", "fused"):
+            value = flags[flag] = data.get(flag, False)
+            if not isinstance(value, bool):
+                raise PlanError(f"{where}.{flag}: {value!r} is {json_type(value)}; accepted: true or false")
         names = {}
         for role in ROLES:
             name = data.get(role, AUTO)
@@ -180,7 +186,7 @@ class Step:
             if providers is not None and name != AUTO and name not in providers:
                 raise PlanError(f"{where}.{role}: provider {name!r} is not registered; accepted: {accepted}")
             names[role] = name
-        return cls(overlap=overlap, **names)
+        return cls(**flags, **names)
 
 
 DEFAULT_STEP = Step()

@@ -3,7 +3,7 @@
 ``forward(x)`` with x ``[M, hidden]`` returns ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])`` in the weights'
 dtype. The first call at an M turns the plan's step for that M into a stage (:mod:`kda_backend.stages`): the
 provider serving each GEMM, chosen by :mod:`kda_backend.dispatch` and compiled, bound into launchers, and whether
-the side chain runs beside QKVG. Later calls at that M validate the input, allocate the outputs and run the stage.
+the side chain runs beside QKVG, or the whole stage as one fused launch. Later calls at that M validate the input, allocate the outputs and run the stage.
 
 A provider that fails while compiling or launching is dropped (one warning) and the stage rebuilt without it, down
 to the torch provider, which always serves; a provider the plan or ``KDA_BACKEND_PROVIDER`` forces fails loudly.
@@ -19,11 +19,11 @@ import torch
 
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
-from kda_backend.log import info_once
+from kda_backend.log import info_once, warn_once
 from kda_backend.overlap import fork_while_capturing
 from kda_backend.plan import AUTO, Plan
 from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, StageLauncher, TrailingLauncher
-from kda_backend.stages import Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
+from kda_backend.stages import FusedStage, Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
 from kda_backend.weights import ProjectionWeights
 
 OUTPUT_ALIGN_BYTES = 16  # the CuTe kernels store 16-byte vectors
@@ -58,7 +58,7 @@ class KDAProjection:
         self.aux_stream = aux_stream
         self._chosen: dict[tuple[str, int], GemmProvider] = {}
         # M -> (the stage, the packed single-GEMM stage where one serves calls without output buffers).
-        self._stages: dict[int, tuple[SequentialStage, PackedStage | None]] = {}
+        self._stages: dict[int, tuple[SequentialStage | FusedStage, PackedStage | None]] = {}
 
     @property
     def geometry(self) -> KDAGeometry:
@@ -146,7 +146,7 @@ class KDAProjection:
         never measured against it there. A standalone call runs the plan's fallback."""
         return self.plan.covers(m)
 
-    def stage(self, m: int) -> SequentialStage:
+    def stage(self, m: int) -> SequentialStage | FusedStage:
         """The stage serving ``m`` tokens (built and compiled on first use)."""
         return self._stage_pair(m)[0]
 
@@ -210,9 +210,13 @@ class KDAProjection:
 
     __call__ = forward
 
-    def _stage_pair(self, m: int) -> tuple[SequentialStage, PackedStage | None]:
+    def _stage_pair(self, m: int) -> tuple[SequentialStage | FusedStage, PackedStage | None]:
         if m not in self._stages:
             step = self.plan.step(m)
+            fused = self._fused(m) if step.fused else None
+            if fused is not None:
+                self._stages[m] = (fused, None)
+                return self._stages[m]
             gemms = {role: self._gemm(role, m, self.gemm_call(role, m)) for role in ROLES}
             if step.overlap:
                 trailing, trail, whole = (None, None, None) if self.for_tuning else self._trailing(m, gemms)
@@ -230,6 +234,29 @@ class KDAProjection:
                 packed = PackedStage(self._gemm("qkvg", m, call), gemms["fb"])
             self._stages[m] = (stage, packed)
         return self._stages[m]
+
+    def _fused(self, m: int) -> FusedStage | None:
+        """The fused stage of a step that asks for one, or ``None`` (one warning; the step runs as its ``overlap``
+        says) where its provider cannot fuse these calls."""
+        step = self.plan.step(m)
+        names = {step.provider(role) for role in ROLES}
+        name = names.pop() if len(names) == 1 else AUTO
+        if name == AUTO:
+            reason = "it must name one provider for all three GEMMs"
+        elif dispatch.broken_reason(name) is not None:
+            reason = f"provider {name!r} is broken: {dispatch.broken_reason(name)}"
+        else:
+            provider = dispatch.provider_by_name(name)
+            calls = {role: self.gemm_call(role, m) for role in ROLES}
+            try:
+                reason = provider.why_not_fused(calls)
+                if reason is None:
+                    return FusedStage(provider, provider.fused_launcher(calls))
+            except Exception as exc:  # a plugin's provider may fail in any way; the step's other form serves
+                reason = f"{type(exc).__name__}: {exc}"
+        warn_once(f"fused-{name}-{m}", f"fused projection stage at M={m} not taken ({reason}); the step runs "
+                  f"{'overlapped' if step.overlap else 'sequentially'}")
+        return None
 
     def _gemm(self, role: str, m: int, call: GemmCall) -> Gemm:
         provider = self.provider(role, m)

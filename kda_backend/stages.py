@@ -9,6 +9,9 @@ called with operands only.
   (:meth:`~kda_backend.providers.base.GemmProvider.trailing_launcher`; an eager call outside any capture launches
   the whole stage at once where that provider can, :meth:`~kda_backend.providers.base.GemmProvider.stage_launcher`),
   else after QKVG. The same kernels' tiles, so the same bits, on every path.
+- :class:`FusedStage`: the whole stage as one launch of a provider's own schedule
+  (:meth:`~kda_backend.providers.base.GemmProvider.fused_launcher`), on every path: its bits are its own, the same
+  eager and replayed.
 
 A stage calls its providers' launchers directly: no selection, lookup or hook call per call except the host's fork
 permission. A launcher that raises is reported as :class:`LaunchFailed`, naming its provider, so the projection can
@@ -152,6 +155,30 @@ class OverlappedStage(SequentialStage):
                       "runs on it without a fork (the same kernels, same results)")
             return None
         return self.aux_stream
+
+
+@dataclasses.dataclass
+class FusedStage:
+    """The whole stage as one launch of ``provider``'s fused launcher, forked or not, eager or captured."""
+
+    provider: GemmProvider
+    launch: StageLauncher
+    mode = "fused"
+
+    def providers(self) -> set[GemmProvider]:
+        return {self.provider}
+
+    def run(
+        self, x: torch.Tensor, w: ProjectionWeights, qkvg: torch.Tensor, fab: torch.Tensor, g1: torch.Tensor | None
+    ) -> None:
+        """As :meth:`SequentialStage.run`; without ``g1`` F_B's output goes to a scratch buffer (the launch computes
+        it beside QKVG anyway, and F_A/beta's bits stay those of every other call)."""
+        if g1 is None:
+            g1 = x.new_empty(x.shape[0], w.geometry.local_width)
+        try:
+            self.launch(x, w.w_qkvg, qkvg, w.w_fab, fab, w.w_fb, g1)
+        except Exception as exc:
+            raise LaunchFailed(self.provider, "fused stage") from exc
 
 
 def run_side_chain(

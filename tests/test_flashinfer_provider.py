@@ -102,3 +102,5 @@ def test_autotune_candidates_follow_usable_providers():
     assert len(steps) == 18 and len(set(steps)) == 18
     assert Step(overlap=True, qkvg="cute", fab="flashinfer", fb=AUTO) in steps
     assert Step(overlap=False, qkvg="flashinfer", fab="cute", fb="cute") in steps
+    fused = step_candidates(4, usable, fusing=("cute",))
+    assert fused[:18] == steps and fused[18:] == [Step(overlap=True, qkvg="cute", fab="cute", fb="cute", fused=True)]

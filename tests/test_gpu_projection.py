@@ -160,13 +160,39 @@ def test_wgmma_qkvg_matches_reference_up_to_256_tokens(tp):
         _assert_close_to_reference(outs, x, w)
 
 
+FUSED_CUTE = Step(overlap=True, qkvg="cute", fab="cute", fb="cute", fused=True)
+
+
+@pytest.mark.parametrize("m", [1, 17, 40, 64])
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_graph_replay_equals_eager_bitwise_with_the_fused_stage(m, packed):
+    """The whole stage as one launch (QKVG's tiles and the side chain's on the SMs QKVG leaves), the same launch
+    eager and captured."""
+    _check_replay_equals_eager(m, packed, FUSED_CUTE)
+
+
+def test_the_fused_stage_without_f_b_computes_the_same_bits():
+    """Where the host applies F_B itself, the fused stage still runs (F_B into a scratch buffer): qkvg and beta are
+    the bits of a call with F_B."""
+    w = _weights(8, packed=True)
+    proj = KDAProjection(w, Plan.uniform(64, FUSED_CUTE))
+    x = torch.randn(48, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
+    qkvg, _, beta = proj(x)
+    fab = torch.full((48, w.geometry.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
+    qkvg_alone, g1, beta_alone = proj(x, fab_out=fab, compute_fb=False)
+    assert g1 is None and proj.stage(48).mode == "fused"
+    assert torch.equal(qkvg, qkvg_alone) and torch.equal(beta, beta_alone)
+
+
 def _check_replay_equals_eager(m, packed, step, tactics=None):
     weights = _layers(3, packed)
     plan = dataclasses.replace(Plan.uniform(256, step), tactics=tactics or {})
     projs = [KDAProjection(w, plan) for w in weights]
     for p in projs:
         p.prepare([m])
-        if step.overlap and step.fab != "torch":  # eager cannot fork: the side chain trails QKVG on one stream
+        if step.fused:
+            assert p.stage(m).mode == "fused"
+        elif step.overlap and step.fab != "torch":  # eager cannot fork: the side chain trails QKVG on one stream
             assert p.stage(m).trailing is not None
             # An mma.sync QKVG over one token tile runs beside it in one launch (wgmma sums in another order).
             mma_sync = isinstance(p.provider("qkvg", m).tactic(p.gemm_call("qkvg", m)), Tactic)

@@ -19,7 +19,7 @@ TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16,
            ("qkvg", 6144, 7168, 1): Tactic(block_n=16, block_k=256, block_t=16, stages=4, x_via_l1=False, x_bulk=True)}
 PLAN = Plan(
     steps={1: Step(True, "cute", "cute", "cute"), 2: Step(False, "torch", "cute", "cute"),
-           3: Step(True, "torch", "torch", "torch")},
+           3: Step(True, "torch", "torch", "torch"), 4: Step(True, "cute", "cute", "cute", fused=True)},
     source="autotune",
     fallback=SEQUENTIAL_TORCH,
     tactics=TACTICS,
@@ -32,9 +32,10 @@ def test_plan_json_round_trip_and_lookup():
     assert again.tactic_for("qkvg", 6144, 7168, 1) == TACTICS[("qkvg", 6144, 7168, 1)]
     assert again.tactic_for("qkvg", 6144, 7168, 2) == TACTICS[("qkvg", 6144, 7168, 16)]
     assert again.tactic_for("qkvg", 6144, 7168, 20) is None and again.tactic_for("fab", 144, 7168, 1) is None
-    assert again.step(1).overlap and again.step(3).qkvg == "torch" and again.step(4) == SEQUENTIAL_TORCH
-    assert [again.step(m).mode for m in (1, 2, 3)] == ["overlap", "sequential", "overlap"] and again.max_m == 3
-    assert "M 3: overlap    qkvg=torch" in again.describe()
+    assert again.step(1).overlap and again.step(3).qkvg == "torch" and again.step(5) == SEQUENTIAL_TORCH
+    assert [again.step(m).mode for m in (1, 2, 3, 4)] == ["overlap", "sequential", "overlap", "fused"]
+    assert again.max_m == 4 and again.step(4).fused and not again.step(1).fused
+    assert "M 3: overlap    qkvg=torch" in again.describe() and "M 4: fused      qkvg=cute" in again.describe()
     with pytest.raises(ValueError, match="unknown fields"):
         Step.from_json({"overlap": True, "qkv": "x"})
 

@@ -353,6 +353,82 @@ def test_eager_call_launches_the_whole_stage_and_a_capture_trails_the_side_chain
     assert provider.calls == ["qkvg", "fab"]
 
 
+class _Fuser(_Trailer):
+    """A provider that fuses the whole stage into one launch (torch on the CPU), or refuses with ``refuse``."""
+
+    name = "fuser"
+
+    def __init__(self, fail=False, refuse=None):
+        super().__init__(fail)
+        self.refuse = refuse
+
+    def why_not_fused(self, calls):
+        return self.refuse
+
+    def fused_launcher(self, calls):
+        self.calls.append(f"built at M={calls['qkvg'].m}")
+
+        def fused(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1):
+            self.calls.append("fused")
+            if self.fail:
+                raise RuntimeError("fused broke")
+            torch.mm(x, w_qkvg.t(), out=qkvg)
+            torch.mm(x, w_fab.t(), out=fab)
+            torch.mm(fab[:, : w_fb.shape[1]], w_fb.t(), out=g1)
+
+        return fused
+
+
+def test_a_fused_step_runs_its_one_launch_eager_captured_and_without_f_b(monkeypatch):
+    """A fused step launches the provider's fused stage on every path: eager, inside a capture, and without F_B
+    (its output then goes to a scratch buffer, so F_A/beta comes from the same launch)."""
+    provider = _Fuser()
+    register_plugin(_Plugin(provider), provider.name)
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True, fused=True, qkvg="fuser", fab="fuser",
+                                                                fb="fuser")))
+    x = torch.randn(4, TINY.hidden_size).bfloat16()
+    _check_against_reference(proj, x)
+    assert provider.calls == ["built at M=4", "fused"] and proj.stage(4).mode == "fused"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    _check_against_reference(proj, x)
+    (fab,) = poisoned((4, TINY.fab_rows))
+    qkvg, g1, beta = proj(x, fab_out=fab, compute_fb=False)
+    ref = reference_projection(x, proj.weights.w_qkvg, proj.weights.w_fab, proj.weights.w_fb, TINY)
+    assert g1 is None and provider.calls[1:] == ["fused"] * 3
+    assert_close(qkvg, ref[0], "qkvg")
+    assert_close(beta, ref[2], "beta")
+
+
+@pytest.mark.parametrize("step", [Step(overlap=True, fused=True, qkvg="fuser", fab="fuser", fb="fuser"),
+                                  Step(overlap=True, fused=True, qkvg="fuser", fab="torch", fb="fuser")],
+                         ids=["refused", "two-providers"])
+def test_a_fused_step_that_cannot_fuse_runs_overlapped_with_one_warning(kda_log, step):
+    provider = _Fuser(refuse="not on this device")
+    register_plugin(_Plugin(provider), provider.name)
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, step))
+    x = torch.randn(4, TINY.hidden_size).bfloat16()
+    for _ in range(2):
+        _check_against_reference(proj, x)
+    reason = "not on this device" if step.fab == "fuser" else "it must name one provider for all three GEMMs"
+    warned = [m for m in kda_log.messages() if "fused projection stage at M=4 not taken" in m]
+    assert len(warned) == 1 and reason in warned[0] and "the step runs overlapped" in warned[0]
+    assert proj.stage(4).mode == "overlap" and "fused" not in provider.calls
+
+
+def test_a_failing_fused_launch_drops_its_provider_and_the_step_runs_overlapped(kda_log):
+    """A fused launch that raises marks its provider broken (one warning); the step then runs overlapped, here with
+    the GEMMs the plan names, one after another on the CPU."""
+    provider = _Fuser(fail=True)
+    register_plugin(_Plugin(provider), provider.name)
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True, fused=True, qkvg="fuser", fab="fuser",
+                                                                fb="fuser")))
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert dispatch.broken_reason(provider.name) == "fused stage: RuntimeError: fused broke"
+    assert proj.stage(4).mode == "overlap" and provider.calls == ["built at M=4", "fused", "qkvg", "fab", "fb"]
+    assert any("fused projection stage at M=4 not taken (provider 'fuser' is broken" in m for m in kda_log.messages())
+
+
 class _NeverForks:
     """A host that never allows the fork outside its own capture (SGLang outside its capture mode)."""
 

@@ -58,7 +58,9 @@ FILE_CASES = {
     "overlap-int": (("plan", "steps", "1", "overlap"), 1, "plan.steps['1'].overlap: 1 is an integer; accepted: true "
                                                           "or false"),
     "chained-field": (("plan", "steps", "1", "chained"), "no",
-                      "plan.steps['1']: unknown fields ['chained']; accepted: overlap, qkvg, fab, fb"),
+                      "plan.steps['1']: unknown fields ['chained']; accepted: overlap, qkvg, fab, fb, fused"),
+    "fused-string": (("plan", "steps", "1", "fused"), "yes",
+                     "plan.steps['1'].fused: 'yes' is a string; accepted: true or false"),
     "provider-int": (("plan", "steps", "1", "qkvg"), 5, f"plan.steps['1'].qkvg: 5 is an integer; accepted: {PROVIDERS}"),
     "provider-empty": (("plan", "steps", "16", "fb"), "", f"plan.steps['16'].fb: '' is a string; accepted: {PROVIDERS}"),
     "provider-unregistered": (("plan", "steps", "1", "fab"), "triton",
@@ -73,7 +75,7 @@ FILE_CASES = {
                                                  '("1", "16")'),
     "steps-list": (("plan", "steps"), [], 'plan.steps: a list; accepted: an object keyed by M ("1", "2", ...)'),
     "step-string": (("plan", "steps", "1"), "overlap",
-                    "plan.steps['1']: a string; accepted: an object with fields overlap, qkvg, fab, fb"),
+                    "plan.steps['1']: a string; accepted: an object with fields overlap, qkvg, fab, fb, fused"),
     "plan-missing": (("plan",), ..., "plan: null; accepted: an object with fields source, fallback, steps"),
     "plan-unknown-field": (("plan", "chained"), True, "plan: unknown fields ['chained']; accepted: source, fallback, "
                                                       "steps"),

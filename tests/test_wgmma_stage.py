@@ -1,13 +1,24 @@
-"""The one-launch Hopper stage (QKVG and F_A/beta tiles of one grid, F_B in the QKVG CTAs' epilogues): its shape
-rules and sm_90a compile on the CPU; on a GPU, against fp32 with outputs poisoned, determinism, its counters left
-zero, and graph replay against eager."""
+"""The fused Hopper stage (QKVG's tiles and the side chain's in one grid): its shape rules and sm_90a compile on the
+CPU; on a GPU, against fp32 with outputs poisoned, determinism, its counters left zero, and graph replay against
+eager."""
 
 import pytest
 import torch
 
 from kda_backend.geometry import preset
+from kda_backend.kernels.compile_cache import FusedStageKey, compile_gemm
+from kda_backend.providers.base import GemmCall
+from kda_backend.providers.cute_provider import CuteDslProvider
 from kda_backend.kernels.wgmma_gemm import RING_OFFSET_BYTES, WgmmaTactic
-from kda_backend.kernels.wgmma_stage import STAGE_COUNTERS, WgmmaStage, compile_stage, plan_stage, validate_stage
+from kda_backend.kernels.wgmma_stage import (
+    FUSED_STAGES,
+    STAGE_COUNTERS,
+    WgmmaStage,
+    compile_stage,
+    fused_stage_tactic,
+    plan_stage,
+    validate_stage,
+)
 
 G = preset("kimi-k3", 8)
 SHAPES = (G.qkvg_rows, G.fab_rows, G.local_width, G.hidden_size, G.head_dim)
@@ -41,6 +52,37 @@ def test_shapes_the_one_launch_stage_refuses():
 @pytest.mark.parametrize("m", [24, 64, 128])
 def test_compiles_for_sm90a(m):
     assert compile_stage(WgmmaStage(_tactic(m), *SHAPES), "sm_90a") is not None
+
+
+def test_compiles_through_the_kernel_cache_for_sm90a():
+    key = FusedStageKey(fused_stage_tactic(G.qkvg_rows, G.hidden_size, 40), *SHAPES[:3], G.hidden_size, G.head_dim,
+                        132, "sm_90a")
+    assert key.qkvg == WgmmaTactic(48, 64, 40, FUSED_STAGES, tokens_on_m=True)
+    assert compile_gemm(key) is not None
+
+
+def _calls(m, capability=(9, 0), w_row_stride=G.hidden_size, fb_x_row_stride=G.fab_rows):
+    """The three GEMM calls of Kimi-K3 TP 8's stage at ``m`` tokens on a GPU of ``capability``."""
+    shapes = {"qkvg": (G.qkvg_rows, G.hidden_size, G.hidden_size, w_row_stride),
+              "fab": (G.fab_rows, G.hidden_size, G.hidden_size, w_row_stride),
+              "fb": (G.local_width, G.head_dim, fb_x_row_stride, G.head_dim)}
+    return {role: GemmCall(role, m, n, k, torch.bfloat16, "cuda", capability, xs, ws)
+            for role, (n, k, xs, ws) in shapes.items()}
+
+
+@pytest.mark.parametrize("m", [1, 17, 64])
+def test_the_cute_provider_fuses_hopper_stages_up_to_64_tokens(m):
+    assert CuteDslProvider().why_not_fused(_calls(m)) is None
+
+
+@pytest.mark.parametrize(("calls", "reason"), [
+    (_calls(65), "fused stage: M=65 above its token tile"),
+    (_calls(16, capability=(10, 0)), "fused stage: compute capability (10, 0) not in SM (9,)"),
+    (_calls(16, w_row_stride=G.packed_rows + 8), "fused stage: x and the weights must have contiguous rows"),
+    (_calls(16, fb_x_row_stride=G.head_dim), "fused stage: F_B reads F_A from another buffer"),
+], ids=["m-65", "blackwell", "strided-weights", "f_a-elsewhere"])
+def test_the_cute_provider_says_why_it_does_not_fuse(calls, reason):
+    assert CuteDslProvider().why_not_fused(calls).startswith(reason)
 
 
 needs_hopper = pytest.mark.skipif(

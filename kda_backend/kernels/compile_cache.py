@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kda_backend.kernels import l2_cache_policy, side_chain_gemm, skinny_gemm, wgmma_gemm
+from kda_backend.kernels import l2_cache_policy, side_chain_gemm, skinny_gemm, wgmma_gemm, wgmma_stage
 from kda_backend.kernels.arrival_counters import CHAIN_COUNTERS
 from kda_backend.kernels.side_chain_gemm import SideChainGemm, StageGemm
 from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
@@ -71,6 +71,21 @@ class StageKey:
     qkvg: Tactic
     qkvg_n: int
     w_qkvg_row_stride: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedStageKey:
+    """What makes two compiled fused stages (:class:`~kda_backend.kernels.wgmma_stage.WgmmaStage`) different: QKVG's
+    tactic, the three GEMMs' rows, the hidden size, F_B's K and the SMs the launch divides (all contiguous)."""
+
+    qkvg: WgmmaTactic
+    qkvg_n: int
+    fab_n: int
+    fb_n: int
+    k: int
+    d: int
+    sms: int
+    arch: str
 
 
 def kernel_key(
@@ -145,6 +160,9 @@ def compile_gemm(key: KernelKey) -> Any:
 
     if isinstance(key, (SideChainKey, StageKey)):
         return _compile_side_chain(key)
+    if isinstance(key, FusedStageKey):
+        stage = wgmma_stage.WgmmaStage(key.qkvg, key.qkvg_n, key.fab_n, key.fb_n, key.k, key.d, key.sms)
+        return wgmma_stage.compile_stage(stage, key.arch)
     kernel_class = WgmmaGemm if isinstance(key.tactic, WgmmaTactic) else SkinnyGemm
     gemm = kernel_class(key.tactic, key.n, key.k, key.x_row_stride, key.w_row_stride, key.link)
     m = cute.sym_int32(symbol="M")
@@ -217,8 +235,8 @@ def _compile_side_chain(key: SideChainKey | StageKey) -> Any:
 
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 # Every file whose code is traced into a compiled kernel, and this one (how it compiles).
-KERNEL_SOURCES = (skinny_gemm.__file__, wgmma_gemm.__file__, side_chain_gemm.__file__, l2_cache_policy.__file__,
-                  __file__)
+KERNEL_SOURCES = (skinny_gemm.__file__, wgmma_gemm.__file__, side_chain_gemm.__file__, wgmma_stage.__file__,
+                  l2_cache_policy.__file__, __file__)
 
 
 def fingerprint(key: KernelKey) -> str:

@@ -1,6 +1,6 @@
-"""The whole projection stage in one Hopper launch: QKVG on most SMs, the side chain (F_A/beta, then F_B) on the
-SMs QKVG leaves free, all as tokens-on-M ``wgmma`` tiles of one grid. No fork and no second launch: the same
-schedule, and the same bits, on every host and in every graph mode.
+"""The fused stage: the whole projection stage in one Hopper launch, QKVG on most SMs and the side chain (F_A/beta,
+then F_B) on the SMs QKVG leaves free, all as tokens-on-M ``wgmma`` tiles of one grid. No fork and no second
+launch: the same schedule, and the same bits, on every host, eager or in any graph mode.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
@@ -33,9 +33,17 @@ from kda_backend.kernels.wgmma_gemm import (
     SWIZZLE_ATOM_BYTES,
     WgmmaGemm,
     WgmmaTactic,
+    tokens_on_m_rows,
     validate_wgmma_tactic,
 )
 
+# QKVG's ring in the fused stage. A deeper one streams QKVG no faster alone and takes HBM from the side chain: on H200
+# for Kimi-K3 TP 8 the stage took 22.07 / 22.22 / 22.50 / 24.05 us at M = 24 / 40 / 48 / 64 with 10 slots against
+# 23.36-25.37 with 12 and 24.46-25.94 with 15 (benchmarks/results/levers/fused-stage-rings.log).
+FUSED_STAGES = 10
+# The fused stage serves one token tile of tokens-on-M QKVG, up to 64 tokens: above, its 48-row CTAs alone fall behind
+# (M = 96: 27.9 us against the floor's 20.9) and the fused stage with them (34.3-34.8 us).
+FUSED_MAX_M = 64
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
 FB_PASSES = 2  # F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
 MAX_TILE_ROWS = 256  # tokens_on_m: weight rows are the MMA's N
@@ -54,10 +62,9 @@ class StagePlan:
 
 def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
                sms: int = SMS) -> StagePlan | str:
-    """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the one-launch
-    stage."""
+    """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the fused stage."""
     if not tactic.tokens_on_m or tactic.split_k != 1:
-        return f"tactic {tactic.key()}: the one-launch stage takes an unsplit tokens_on_m tactic"
+        return f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m tactic"
     side = sms - row_blocks(qkvg_rows, tactic.block_n)
     if side < 1:
         return f"QKVG's {row_blocks(qkvg_rows, tactic.block_n)} row blocks leave none of {sms} SMs to the side chain"
@@ -84,18 +91,29 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     return reason or StagePlan(tactic, fab, fb, side)
 
 
-def validate_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int) -> str | None:
-    """``None`` if :class:`WgmmaStage` serves these shapes with ``tactic``, else why not."""
-    found = plan_stage(tactic, qkvg_rows, fab_rows, fb_rows, k, d)
+def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
+    """QKVG's tactic in the fused stage at ``m`` tokens: :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows`
+    rows per CTA in a ring of :data:`FUSED_STAGES`, one token tile; ``None`` above :data:`FUSED_MAX_M` or where
+    64-element K-tiles do not divide K."""
+    if m > FUSED_MAX_M or k % 64:
+        return None
+    return WgmmaTactic(tokens_on_m_rows(qkvg_rows), 64, 64, FUSED_STAGES, tokens_on_m=True).for_tokens(m)
+
+
+def validate_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
+                   sms: int = SMS) -> str | None:
+    """``None`` if :class:`WgmmaStage` serves these shapes with ``tactic`` on ``sms`` SMs, else why not."""
+    found = plan_stage(tactic, qkvg_rows, fab_rows, fb_rows, k, d, sms)
     return found if isinstance(found, str) else None
 
 
 class WgmmaStage:
-    """The one-launch stage for one QKVG tactic (its ``block_t`` bounds M) and one geometry: QKVG, F_A/beta and
+    """The fused stage for one QKVG tactic (its ``block_t`` bounds M) and one geometry: QKVG, F_A/beta and
     F_B rows, hidden size ``k`` and F_B's K ``d``; M is a runtime value."""
 
-    def __init__(self, tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int) -> None:
-        found = plan_stage(tactic, qkvg_rows, fab_rows, fb_rows, k, d)
+    def __init__(self, tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
+                 sms: int = SMS) -> None:
+        found = plan_stage(tactic, qkvg_rows, fab_rows, fb_rows, k, d, sms)
         if isinstance(found, str):
             raise ValueError(found)
         self.plan = found

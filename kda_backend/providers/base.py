@@ -10,8 +10,9 @@ A provider answers :meth:`GemmProvider.why_not` per call (``None`` = supported) 
 reason, and :meth:`GemmProvider.run` writes into a caller-provided output (no allocation inside CUDA graphs).
 The projection binds one :meth:`GemmProvider.launcher` per role and M, so per-call work is only the launch. A
 provider may also run the overlapped side chain on QKVG's own stream (:meth:`GemmProvider.trailing_launcher`),
-where the host does not allow a fork, and an eager call's whole stage as one launch
-(:meth:`GemmProvider.stage_launcher`).
+where the host does not allow a fork, an eager call's whole stage as one launch
+(:meth:`GemmProvider.stage_launcher`), and a fused stage that a plan step names for every call
+(:meth:`GemmProvider.fused_launcher`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,17 @@ class GemmProvider(abc.ABC):
         bit what this provider's launchers compute. Resolved once, outside any capture; ``None`` where this
         provider has none for ``calls`` (the stage then launches QKVG and its trailing side chain)."""
         return None
+
+    def why_not_fused(self, calls: dict[str, GemmCall]) -> str | None:
+        """``None`` if this provider runs the whole stage for ``calls`` as one fused launch, else why not."""
+        return f"provider {self.name!r} has no fused stage"
+
+    def fused_launcher(self, calls: dict[str, GemmCall]) -> StageLauncher:
+        """The whole stage for ``calls`` as one launch on the current stream, for every call of a step that names
+        it (eager, captured, forked or not): ``qkvg = x @ W_qkvg.T``, ``fab = x @ W_fab.T`` and
+        ``g1 = fab[:, :D] @ W_fb.T`` with a schedule of the provider's own, so its bits need not match its separate
+        launchers'. Resolved and checked once, outside any capture; raises where it cannot serve."""
+        raise NotImplementedError(f"provider {self.name!r} has no fused stage")
 
     def __repr__(self) -> str:
         return f"<GemmProvider {self.name} priority={self.priority}>"

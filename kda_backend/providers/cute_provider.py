@@ -25,7 +25,14 @@ import torch
 
 from kda_backend.accuracy import output_error
 from kda_backend.kernels.arrival_counters import arrival_counters
-from kda_backend.kernels.compile_cache import SideChainKey, StageKey, compiled_gemms, kernel_key
+from kda_backend.kernels.compile_cache import (
+    FusedStageKey,
+    SideChainKey,
+    StageKey,
+    compiled_gemms,
+    kernel_key,
+    target_arch,
+)
 from kda_backend.kernels.side_chain_gemm import why_not_one_launch, why_not_one_launch_stage
 from kda_backend.kernels.skinny_gemm import (
     ELEMS_PER_COPY,
@@ -37,8 +44,17 @@ from kda_backend.kernels.skinny_gemm import (
     validate_link,
     validate_tactic,
 )
-from kda_backend.kernels.tactics import AnyTactic, default_for, for_m, max_m, validate_any, why_not_for
-from kda_backend.kernels.wgmma_gemm import WgmmaTactic
+from kda_backend.kernels.tactics import (
+    WGMMA_MAJORS,
+    AnyTactic,
+    default_for,
+    for_m,
+    max_m,
+    validate_any,
+    why_not_for,
+)
+from kda_backend.kernels.wgmma_gemm import SMS, WgmmaTactic
+from kda_backend.kernels.wgmma_stage import STAGE_COUNTERS, fused_stage_tactic, validate_stage
 from kda_backend.log import warn_once
 from kda_backend.providers.base import (
     GemmCall,
@@ -68,6 +84,7 @@ class CuteDslProvider(GemmProvider):
         self._launchers: dict[tuple[GemmCall, torch.device], Launcher] = {}
         self._trailing: dict[tuple[GemmCall, GemmCall, torch.device], TrailingLauncher] = {}
         self._stages: dict[tuple[GemmCall, GemmCall, GemmCall, torch.device], StageLauncher | None] = {}
+        self._fused: dict[tuple[GemmCall, GemmCall, GemmCall, torch.device], StageLauncher] = {}
 
     def kernel_folder(self) -> Path | None:
         """Where compiled kernels are kept on disk, or ``None`` (memory only)."""
@@ -282,6 +299,52 @@ class CuteDslProvider(GemmProvider):
                   f"({reason}); eager calls launch QKVG and its side chain")
         return None
 
+    def why_not_fused(self, calls: dict[str, GemmCall]) -> str | None:
+        """``None`` if :meth:`fused_launcher` serves ``calls``: Hopper, contiguous weights and activations, F_B
+        reading F_A/beta's output, and the shapes of :func:`~kda_backend.kernels.wgmma_stage.plan_stage` on this
+        device's SMs."""
+        q, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
+        reason = cuda_bf16_reason(q, WGMMA_MAJORS)
+        if reason is not None:
+            return f"fused stage: {reason}"
+        if (q.x_row_stride, q.w_row_stride, fab.k, fab.w_row_stride, fb.w_row_stride) != (q.k, q.k, q.k, q.k, fb.k):
+            return "fused stage: x and the weights must have contiguous rows of the hidden size (F_B's of D)"
+        if fb.x_row_stride != fab.n:
+            return "fused stage: F_B reads F_A from another buffer than F_A/beta's output"
+        tactic = fused_stage_tactic(q.n, q.k, q.m)
+        if tactic is None:
+            return f"fused stage: M={q.m} above its token tile"
+        return validate_stage(tactic, q.n, fab.n, fb.n, q.k, fb.k, _sms())
+
+    def fused_launcher(self, calls: dict[str, GemmCall]) -> StageLauncher:
+        """See :meth:`GemmProvider.fused_launcher`: :class:`~kda_backend.kernels.wgmma_stage.WgmmaStage`, its
+        counters the current stream's chain counters, checked on first use against fp32 (:func:`fused_error`)."""
+        reason = self.why_not_fused(calls)
+        if reason is not None:
+            raise ValueError(reason)
+        device = _current_device()
+        key = (calls["qkvg"], calls["fab"], calls["fb"], device)
+        if key not in self._fused:
+            self._fused[key] = self._new_fused_launcher(calls, device)
+        return self._fused[key]
+
+    def _new_fused_launcher(self, calls: dict[str, GemmCall], device: torch.device) -> StageLauncher:
+        q, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
+        key = FusedStageKey(fused_stage_tactic(q.n, q.k, q.m), q.n, fab.n, fb.n, q.k, fb.k, _sms(),
+                            target_arch(device))
+        kernel = compiled_gemms.get(key, self.kernel_folder())
+        arrival_counters.reserve(device)
+        counters = PerStream(lambda stream: (arrival_counters.chain_for_stream(stream)[:STAGE_COUNTERS],), device)
+
+        def run_fused(x: torch.Tensor, w_qkvg: torch.Tensor, qkvg: torch.Tensor, w_fab: torch.Tensor,
+                      fab: torch.Tensor, w_fb: torch.Tensor, g1: torch.Tensor) -> None:
+            kernel(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1, *counters.current())
+
+        reason = fused_error(run_fused, calls, device)
+        if reason is not None:
+            raise RuntimeError(f"fused stage at M={q.m} ({key.qkvg.key()}) is wrong on {device}: {reason}")
+        return run_fused
+
     def _kernel(self, tactic: AnyTactic, call: GemmCall, device: torch.device, link: Link = NO_LINK) -> Any:
         key = kernel_key(tactic, call.n, call.k, call.x_row_stride, call.w_row_stride, device, link)
         return compiled_gemms.get(key, self.kernel_folder())
@@ -385,6 +448,43 @@ def stage_error(
                      for role, out, e in zip(("qkvg", "fab", "fb"), outs, expected) if not torch.equal(out, e)), None)
 
     return _first_use_error(compare, device)
+
+
+def fused_error(run: StageLauncher, calls: dict[str, GemmCall], device: torch.device) -> str | None:
+    """Why the fused stage ``run`` must not serve on ``device``, or ``None``: run twice on random operands of the
+    calls' shapes, outputs poisoned with NaN, each output against fp32 (F_B's from the stage's own F_A/beta output,
+    :func:`~kda_backend.accuracy.output_error`), the two runs bitwise equal and the stream's counters zero after
+    them. Checked once per launcher, outside any capture, before it serves."""
+    q, fab_call, fb_call = calls["qkvg"], calls["fab"], calls["fb"]
+    m, d = q.m, fb_call.k
+
+    def compare(stream: torch.cuda.Stream) -> str | None:
+        randn = _random_rows(device)
+        x = randn(m, q.k, 1.0)
+        w_qkvg, w_fab = randn(q.n, q.k, q.k**-0.5), randn(fab_call.n, q.k, q.k**-0.5)
+        w_fb = randn(fb_call.n, d, d**-0.5)
+        runs = []
+        for _ in range(2):
+            outs = [torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
+                    for n in (q.n, fab_call.n, fb_call.n)]
+            run(x, w_qkvg, outs[0], w_fab, outs[1], w_fb, outs[2])
+            runs.append(outs)
+        stream.synchronize()
+        qkvg, fab, g1 = runs[0]
+        reason = (output_error(qkvg, x.float() @ w_qkvg.float().t()) or output_error(fab, x.float() @ w_fab.float().t())
+                  or output_error(g1, fab[:, :d].float() @ w_fb.float().t()))
+        if reason is None and not all(torch.equal(a, b) for a, b in zip(*runs)):
+            reason = "two runs differ"
+        return reason
+
+    return _first_use_error(compare, device)
+
+
+def _sms() -> int:
+    """SMs of the current device (the fused stage's grid divides them), else those of an H100 / H200 SXM."""
+    if not torch.cuda.is_available():
+        return SMS
+    return torch.cuda.get_device_properties(_current_device()).multi_processor_count
 
 
 def _first_use_error(compare: Callable[[torch.cuda.Stream], str | None], device: torch.device) -> str | None:
