@@ -30,6 +30,7 @@ from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, make_weight_copies
 from kda_backend.batch_sizes import engine_batch_sizes, spans
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.kernels.wgmma_stage import fused_stage_tactic
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
@@ -163,6 +164,9 @@ def run_bench(
             row[name] = statistics.median(samples[same[(step, ws is split and step == SEQUENTIAL_TORCH)]])
         row["vllm_step"] = variants["vllm_native"][0].to_json()
         row["sglang_step"] = variants["sglang_native"][0].to_json()
+        fused = fused_stage_tactic(geometry.qkvg_rows, geometry.hidden_size, m) if plan.step(m).fused else None
+        if fused is not None:
+            row["fused_qkvg_tactic"] = fused.key()
         if m in EAGER_MS:
             for name, variant in (("ours", plan), ("seq_cublas", Plan(fallback=SEQUENTIAL_TORCH))):
                 wall, host = _eager_times(weights, variant, m)
@@ -253,14 +257,22 @@ def render_table(results: dict[str, Any]) -> str:
 
 def _tactic_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The CuTe tactics the kernel table timed, one line per tactic triple with the M it served (results written
-    before the bench recorded tactics have none)."""
+    before the bench recorded tactics have none), then the fused stage's QKVG tactic where the plan fuses."""
     served: dict[str, list[int]] = {}
     for r in rows:
         if "qkvg_tactic" in r:
             served.setdefault(" / ".join(r[f"{role}_tactic"] for role in ("qkvg", "fab", "fb")), []).append(r["m"])
-    if not served:
-        return []
-    return ["CuTe tactics (qkvg / fab / fb):"] + [f"  M = {spans(ms)}: {keys}" for keys, ms in served.items()]
+    fused: dict[str, list[int]] = {}
+    for r in rows:
+        if "fused_qkvg_tactic" in r:
+            fused.setdefault(r["fused_qkvg_tactic"], []).append(r["m"])
+    lines = []
+    if served:
+        lines += ["CuTe tactics (qkvg / fab / fb):"] + [f"  M = {spans(ms)}: {keys}" for keys, ms in served.items()]
+    if fused:
+        lines += ["fused stage, QKVG's tactic (the side chain on the SMs it leaves):"]
+        lines += [f"  M = {spans(ms)}: {key}" for key, ms in fused.items()]
+    return lines
 
 
 def write_plot(results: dict[str, Any], path: Path) -> None:

@@ -3,7 +3,8 @@
 ``forward(x)`` with x ``[M, hidden]`` returns ``(qkvg [M, 4*hD], g1 [M, hD], beta_raw [M, h])`` in the weights'
 dtype. The first call at an M turns the plan's step for that M into a stage (:mod:`kda_backend.stages`): the
 provider serving each GEMM, chosen by :mod:`kda_backend.dispatch` and compiled, bound into launchers, and whether
-the side chain runs beside QKVG, or the whole stage as one fused launch. Later calls at that M validate the input, allocate the outputs and run the stage.
+the side chain runs beside QKVG, or the whole stage as one fused launch. Later calls at that M validate the input,
+allocate the outputs and run the stage.
 
 A provider that fails while compiling or launching is dropped (one warning) and the stage rebuilt without it, down
 to the torch provider, which always serves; a provider the plan or ``KDA_BACKEND_PROVIDER`` forces fails loudly.

@@ -140,6 +140,19 @@ def test_bench_table_lists_the_tactics_per_m():
     assert "  M = 24: q32 / f32 / b32" in table
 
 
+def test_bench_table_names_the_fused_stage_and_its_qkvg_tactic():
+    from kda_backend.bench import render_table
+
+    fused = {"overlap": True, "qkvg": "cute", "fab": "cute", "fb": "cute", "fused": True}
+    rows = [{"m": m, "floor": 21.5, "seq_cublas": 29.0, "peers": 27.0, "ours": 22.0, "plan": fused,
+             "fused_qkvg_tactic": key} for m, key in ((17, "w48k64t24s10mp"), (24, "w48k64t24s10mp"),
+                                                      (64, "w48k64t64s8mp"))]
+    table = render_table({"device": "X", "copy_bandwidth_tbs": 4.2, "plan_source": "test", "rows": rows})
+    assert "fused cute/cute/cute" in table
+    assert ("fused stage, QKVG's tactic (the side chain on the SMs it leaves):\n  M = 17, 24: w48k64t24s10mp\n"
+            "  M = 64: w48k64t64s8mp") in table
+
+
 def test_adapter_gate(monkeypatch, kda_log):
     from kda_backend.engine_gate import adapter_enabled
 

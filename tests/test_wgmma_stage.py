@@ -11,6 +11,7 @@ from kda_backend.providers.base import GemmCall
 from kda_backend.providers.cute_provider import CuteDslProvider
 from kda_backend.kernels.wgmma_gemm import RING_OFFSET_BYTES, WgmmaTactic
 from kda_backend.kernels.wgmma_stage import (
+    FUSED_MAX_M,
     FUSED_STAGES,
     STAGE_COUNTERS,
     WgmmaStage,
@@ -57,7 +58,9 @@ def test_compiles_for_sm90a(m):
 def test_compiles_through_the_kernel_cache_for_sm90a():
     key = FusedStageKey(fused_stage_tactic(G.qkvg_rows, G.hidden_size, 40), *SHAPES[:3], G.hidden_size, G.head_dim,
                         132, "sm_90a")
-    assert key.qkvg == WgmmaTactic(48, 64, 40, FUSED_STAGES, tokens_on_m=True)
+    assert key.qkvg == WgmmaTactic(48, 64, 40, 10, tokens_on_m=True)
+    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 49) == WgmmaTactic(48, 64, 56, 8, tokens_on_m=True)
+    assert FUSED_STAGES[-1][0] == FUSED_MAX_M
     assert compile_gemm(key) is not None
 
 

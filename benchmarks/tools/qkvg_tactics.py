@@ -5,8 +5,8 @@ fp32 (output poisoned with NaN first), QKVG alone in us per layer and as a multi
 weight bytes / copy bandwidth measured in the same process), and the overlapped stage: QKVG on the main stream,
 F_A/beta -> F_B forked onto an aux stream, with the excess over QKVG alone. Per M a line first names the side
 chain's tactics and checks its outputs the same way (either tactic may be of either kernel family). For each
-tokens-on-M wgmma tactic the whole stage in one launch (``kda_backend.kernels.wgmma_stage``) follows, its outputs
-checked the same way. Times are
+tokens-on-M wgmma tactic the fused stage with it as QKVG's tactic (``kda_backend.kernels.wgmma_stage``) follows,
+its outputs checked the same way. Times are
 medians of 50 replays of a CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool behind
 most lever measurements in benchmarks/RESULTS.md: run it once per build, builds alternated.
 
@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
             shapes = (g.qkvg_rows, g.fab_rows, g.local_width, g.hidden_size, g.head_dim)
             if isinstance(t_qkvg, WgmmaTactic) and validate_stage(t_qkvg, *shapes) is None:
-                seconds, errors = one_launch_stage(ops, weights, WgmmaStage(t_qkvg, *shapes))
-                print(f"M={m:2} {t_qkvg.key():20} stage in one launch {seconds * 1e6:6.2f} us "
+                seconds, errors = fused_stage(ops, weights, WgmmaStage(t_qkvg, *shapes))
+                print(f"M={m:2} {t_qkvg.key():20} fused stage {seconds * 1e6:6.2f} us "
                       f"({seconds * 1e6 - stage:+.2f} against the stage above): {errors}", flush=True)
 
 
-def one_launch_stage(ops: StageOperands, weights: list[ProjectionWeights], stage: WgmmaStage) -> tuple[float, str]:
+def fused_stage(ops: StageOperands, weights: list[ProjectionWeights], stage: WgmmaStage) -> tuple[float, str]:
     """Seconds per layer of ``stage`` in one launch over the rotating operands (outputs written into ``ops``), and
     its relative errors against fp32 for the first weight copy, from a first run into NaN-poisoned outputs (F_B's
     reference takes the kernel's bf16 F_A/beta output)."""
@@ -105,7 +105,7 @@ def one_launch_stage(ops: StageOperands, weights: list[ProjectionWeights], stage
     layer(0)
     torch.cuda.synchronize()
     if chain.tolist() != [0] * STAGE_COUNTERS:
-        raise SystemExit(f"the one-launch stage left its counters at {chain.tolist()}")
+        raise SystemExit(f"the fused stage left its counters at {chain.tolist()}")
     w, x, d = weights[0], ops.xs[0].float(), ops.head_dim
     refs = (x @ w.w_qkvg.float().t(), x @ w.w_fab.float().t(), outs[1][:, :d].float() @ w.w_fb.float().t())
     errors = []

@@ -430,7 +430,6 @@ class WgmmaGemm:
         ``None`` as ``m_arrivals``; ``s_x_box_layout``: the activation ring as the TMA boxes fill it (``s_x_layout``
         itself under swap-AB). Warps
         ``0 .. 4 * consumer_warpgroups - 1`` consume, the last one produces."""
-        t = self.tactic
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bidx, bidy, bidz = cute.arch.block_idx()

@@ -37,10 +37,12 @@ from kda_backend.kernels.wgmma_gemm import (
     validate_wgmma_tactic,
 )
 
-# QKVG's ring in the fused stage. A deeper one streams QKVG no faster alone and takes HBM from the side chain: on H200
-# for Kimi-K3 TP 8 the stage took 22.07 / 22.22 / 22.50 / 24.05 us at M = 24 / 40 / 48 / 64 with 10 slots against
-# 23.36-25.37 with 12 and 24.46-25.94 with 15 (benchmarks/results/levers/fused-stage-rings.log).
-FUSED_STAGES = 10
+# QKVG's ring in the fused stage, by token tile. A deeper one streams QKVG no faster alone and takes HBM from the
+# side chain's CTAs, more so as their activation tiles grow. Measured on H200 for Kimi-K3 TP 8 (qkvg_tactics.py,
+# benchmarks/results/levers/fused-stage/): at M = 24 / 40 / 48 the stage took 22.07 / 22.22 / 22.50 us with 10
+# slots against 23.36-25.08 with 12 and 24.46-24.83 with 15; at M = 56 / 64 22.84 / 23.29 with 8 against 22.86 /
+# 23.42 with 9 and 24.05 (M = 64) with 10.
+FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # The fused stage serves one token tile of tokens-on-M QKVG, up to 64 tokens: above, its 48-row CTAs alone fall behind
 # (M = 96: 27.9 us against the floor's 20.9) and the fused stage with them (34.3-34.8 us).
 FUSED_MAX_M = 64
@@ -93,11 +95,13 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
 
 def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
     """QKVG's tactic in the fused stage at ``m`` tokens: :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows`
-    rows per CTA in a ring of :data:`FUSED_STAGES`, one token tile; ``None`` above :data:`FUSED_MAX_M` or where
-    64-element K-tiles do not divide K."""
+    rows per CTA in the ring :data:`FUSED_STAGES` gives its token tile, one token tile; ``None`` above
+    :data:`FUSED_MAX_M` or where 64-element K-tiles do not divide K."""
     if m > FUSED_MAX_M or k % 64:
         return None
-    return WgmmaTactic(tokens_on_m_rows(qkvg_rows), 64, 64, FUSED_STAGES, tokens_on_m=True).for_tokens(m)
+    tactic = WgmmaTactic(tokens_on_m_rows(qkvg_rows), 64, 64, 1, tokens_on_m=True).for_tokens(m)
+    stages = next(slots for tile, slots in FUSED_STAGES if tactic.block_t <= tile)
+    return dataclasses.replace(tactic, stages=stages)
 
 
 def validate_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,

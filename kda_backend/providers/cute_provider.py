@@ -325,6 +325,9 @@ class CuteDslProvider(GemmProvider):
         device = _current_device()
         key = (calls["qkvg"], calls["fab"], calls["fb"], device)
         if key not in self._fused:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"fused stage at M={calls['qkvg'].m} was not built before CUDA-graph capture; "
+                                   "call prepare() first")
             self._fused[key] = self._new_fused_launcher(calls, device)
         return self._fused[key]
 
