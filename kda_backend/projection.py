@@ -242,8 +242,11 @@ class KDAProjection:
         step = self.plan.step(m)
         names = {step.provider(role) for role in ROLES}
         name = names.pop() if len(names) == 1 else AUTO
+        pinned = dispatch.forced_providers()
         if name == AUTO:
             reason = "it must name one provider for all three GEMMs"
+        elif any(pinned.get(role, name) != name for role in ROLES):
+            reason = f"KDA_BACKEND_PROVIDER pins another provider than {name!r}"
         elif dispatch.broken_reason(name) is not None:
             reason = f"provider {name!r} is broken: {dispatch.broken_reason(name)}"
         else:

@@ -416,6 +416,17 @@ def test_a_fused_step_that_cannot_fuse_runs_overlapped_with_one_warning(kda_log,
     assert proj.stage(4).mode == "overlap" and "fused" not in provider.calls
 
 
+def test_kda_backend_provider_pinning_another_provider_keeps_a_fused_step_unfused(monkeypatch, kda_log):
+    provider = _Fuser()
+    register_plugin(_Plugin(provider), provider.name)
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "fab=torch")
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True, fused=True, qkvg="fuser", fab="fuser",
+                                                                fb="fuser")))
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert proj.stage(4).mode == "overlap" and "fused" not in provider.calls
+    assert any("KDA_BACKEND_PROVIDER pins another provider than 'fuser'" in m for m in kda_log.messages())
+
+
 def test_a_failing_fused_launch_drops_its_provider_and_the_step_runs_overlapped(kda_log):
     """A fused launch that raises marks its provider broken (one warning); the step then runs overlapped, here with
     the GEMMs the plan names, one after another on the CPU."""

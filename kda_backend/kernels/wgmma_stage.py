@@ -5,9 +5,10 @@ launch: the same schedule, and the same bits, on every host, eager or in any gra
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
   CTAs of 48 rows). One token tile: M up to the tactic's ``block_t``.
-- Side-chain CTA ``i`` computes F_A/beta's row block ``i`` (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's,
-  so it finishes first), counts it in on ``chain[0]`` (release), waits until every side-chain CTA counted in, then
-  computes ``passes`` row blocks of ``g1 = f_a @ W_fb^T`` for every token: f_a (F_A/beta's first ``d`` columns,
+- Side-chain CTA ``i`` first asks L2 for its W_fb tiles (TMA prefetch), then computes F_A/beta's row block ``i``
+  (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's, in the deepest ring an SM holds, so it finishes first),
+  counts it in on ``chain[0]`` (release), waits until every side-chain CTA counted in, then computes
+  :data:`FB_PASSES` row blocks of ``g1 = f_a @ W_fb^T`` for every token: f_a (F_A/beta's first ``d`` columns,
   written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
   beyond F_A/beta's covers F_B.
 - The side-chain CTAs wait only for each other, and they are dispatched before QKVG's, which wait for nothing: the
