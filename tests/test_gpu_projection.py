@@ -171,6 +171,18 @@ def test_graph_replay_equals_eager_bitwise_with_the_fused_stage(m, packed):
     _check_replay_equals_eager(m, packed, FUSED_CUTE)
 
 
+@pytest.mark.parametrize("tp", [4, 8, 16], ids=lambda t: f"tp{t}")
+def test_the_fused_stage_serves_tp8_and_tp16_and_refuses_tp4(tp):
+    """TP 16's 24-row QKVG CTAs and partial F_A/beta block fuse and match the reference; at TP 4 F_B's 3072 rows do
+    not split into the side chain's 8 tiles, so the step runs overlapped."""
+    w = _weights(tp, packed=True, seed=tp)
+    proj = KDAProjection(w, Plan.uniform(64, FUSED_CUTE))
+    for m in (1, 24, 64):
+        x = torch.randn(m, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
+        _assert_close_to_reference(proj(x, *projection_outputs(m, w.geometry, "cuda")), x, w)
+        assert proj.stage(m).mode == ("overlap" if tp == 4 else "fused")
+
+
 def test_the_fused_stage_without_f_b_computes_the_same_bits():
     """Where the host applies F_B itself, the fused stage still runs (F_B into a scratch buffer): qkvg and beta are
     the bits of a call with F_B."""

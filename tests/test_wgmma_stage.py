@@ -64,6 +64,18 @@ def test_compiles_through_the_kernel_cache_for_sm90a():
     assert compile_gemm(key) is not None
 
 
+@pytest.mark.parametrize(("tp", "reason"), [(4, "F_B's 3072 rows do not split into 8 row blocks"), (16, None)])
+def test_tp16_fuses_and_tp4_does_not(tp, reason):
+    g = preset("kimi-k3", tp)
+    shapes = (g.qkvg_rows, g.fab_rows, g.local_width, g.hidden_size, g.head_dim)
+    tactic = fused_stage_tactic(g.qkvg_rows, g.hidden_size, 24)
+    found = validate_stage(tactic, *shapes)
+    assert found == reason if reason is None else found.startswith(reason)
+    if reason is None:  # 128 QKVG CTAs of 24 rows; F_A/beta's 144 rows in 4 blocks of 40, the last partial
+        assert plan_stage(tactic, *shapes).fab.block_n == 40
+        assert compile_stage(WgmmaStage(tactic, *shapes), "sm_90a") is not None
+
+
 def _calls(m, capability=(9, 0), w_row_stride=G.hidden_size, fb_x_row_stride=G.fab_rows):
     """The three GEMM calls of Kimi-K3 TP 8's stage at ``m`` tokens on a GPU of ``capability``."""
     shapes = {"qkvg": (G.qkvg_rows, G.hidden_size, G.hidden_size, w_row_stride),
