@@ -164,8 +164,10 @@ def run_bench(
             row[name] = statistics.median(samples[same[(step, ws is split and step == SEQUENTIAL_TORCH)]])
         row["vllm_step"] = variants["vllm_native"][0].to_json()
         row["sglang_step"] = variants["sglang_native"][0].to_json()
-        fused = fused_stage_tactic(geometry.qkvg_rows, geometry.hidden_size, m) if plan.step(m).fused else None
-        if fused is not None:
+        step = plan.step(m)
+        # The CuTe provider's fused stage derives its QKVG tactic from M (another provider's has its own).
+        fused = fused_stage_tactic(geometry.qkvg_rows, geometry.hidden_size, m) if step.fused else None
+        if fused is not None and step.qkvg == "cute":
             row["fused_qkvg_tactic"] = fused.key()
         if m in EAGER_MS:
             for name, variant in (("ours", plan), ("seq_cublas", Plan(fallback=SEQUENTIAL_TORCH))):

@@ -128,11 +128,6 @@ class WgmmaStage:
         # F_B's activations: f_a, the first d columns of the F_A/beta output (row stride fab_rows).
         self.fb = WgmmaGemm(found.fb, fb_rows, d, fab_rows, d)
 
-    @property
-    def n(self) -> int:
-        """QKVG's rows (the compile cache's name for the main output's width)."""
-        return self.qkvg.n
-
     def smem_bytes(self) -> int:
         """The barrier area, then the largest ring of the three GEMMs (F_B's two passes side by side)."""
         p = self.plan
@@ -281,9 +276,9 @@ def compile_stage(stage: WgmmaStage, arch: str):
     def bf16(shape):
         return make_fake_tensor(cutlass.BFloat16, shape, (shape[1], 1), assumed_align=16)
 
-    k, fab_rows, fb_rows = stage.k, stage.fab_rows, stage.fb.n
+    k, qkvg_rows, fab_rows, fb_rows = stage.k, stage.qkvg.n, stage.fab_rows, stage.fb.n
     operands = (
-        bf16((m, k)), bf16((stage.n, k)), bf16((m, stage.n)), bf16((fab_rows, k)), bf16((m, fab_rows)),
+        bf16((m, k)), bf16((qkvg_rows, k)), bf16((m, qkvg_rows)), bf16((fab_rows, k)), bf16((m, fab_rows)),
         bf16((fb_rows, stage.d)), bf16((m, fb_rows)),
         make_fake_tensor(cutlass.Int32, (STAGE_COUNTERS,), (1,), assumed_align=4),
     )
