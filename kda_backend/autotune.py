@@ -7,8 +7,7 @@ is served from L2) - see :mod:`kda_backend.timing`:
    few M of the bucket and chosen by their worst slowdown at any of them (:func:`most_robust`): the side chain's
    kernels alone, then QKVG (both kernel families where the device runs ``wgmma``) and the side chain's again
    inside the overlapped stage, where side chains that tie are told apart by the stage without a fork (see
-   :func:`tune_tactics`); then, where the CuTe provider fuses the stage, QKVG's ring inside the fused stage
-   (:func:`tune_fused`).
+   :func:`tune_tactics`).
 2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
    candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path, in the
    forked form the engines' decode graphs run, whatever the host answers outside them (``for_tuning``).
@@ -41,8 +40,7 @@ from kda_backend.kernels.tactics import (
     wgmma_serves,
 )
 from kda_backend.kernels.wgmma_gemm import default_wgmma_tactic, leaves_room, wgmma_candidate_tactics
-from kda_backend.kernels.wgmma_stage import fused_stage_tactic
-from kda_backend.plan import AUTO, FUSED_TACTIC, SEQUENTIAL_TORCH, Plan, Step, TacticTable
+from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step, TacticTable
 from kda_backend.plugins import hooks
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.base import ROLES
@@ -66,10 +64,6 @@ RETIMING_ROUNDS = 2
 # Side-chain finalists whose forked stage is within this factor of the best one's at every M tie (one stage timing
 # varies by up to 0.5 us on some H200s); the tie goes to the one whose stage without a fork is fastest.
 FORKED_TIE = 1.01
-# QKVG's rings the CuTe fused stage is timed with per bucket (tune_fused). Measured on H200 for Kimi-K3 TP 8: 12 and
-# 15 slots were slower than 10 at M = 24..48, 7 slower than 8 at M = 48..64; among 8, 9 and 10 the fastest at
-# M = 56 / 64 differed between two H200s (benchmarks/results/levers/fused-stage/).
-FUSED_RINGS = (8, 9, 10)
 
 
 def make_weight_copies(geometry: KDAGeometry, device: torch.device, copies: int = COPIES) -> list[ProjectionWeights]:
@@ -92,7 +86,6 @@ def _role_shapes(g: KDAGeometry) -> dict[str, tuple[int, int, int]]:
 
 
 OVERLAP_CUTE = Step(overlap=True, qkvg="cute", fab="cute", fb="cute")
-FUSED_CUTE = Step(overlap=True, fused=True, qkvg="cute", fab="cute", fb="cute")
 
 
 def time_tactic(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, m: int) -> float:
@@ -287,42 +280,6 @@ def _wgmma_finalists(weights, n: int, k: int, xs: int, bucket: int, progress: Ca
     return finalists + [roomy[0]] if roomy and roomy[0] not in finalists else finalists
 
 
-def tune_fused(
-    weights: list[ProjectionWeights], buckets: Iterable[int], tactics: TacticTable,
-    progress: Callable[[str], None] = lambda _: None,
-) -> TacticTable:
-    """QKVG's tactic inside the CuTe fused stage, per bucket where the CuTe provider fuses the stage at the
-    bucket's largest M: the default's rows in each ring of :data:`FUSED_RINGS`, the whole stage (with ``tactics``)
-    checked by :func:`step_error` and timed at the bucket's M, the most robust kept under
-    :data:`~kda_backend.plan.FUSED_TACTIC`. The fused stage shares each SM's shared memory and HBM with the side
-    chain, so QKVG's best ring there is not the one it streams fastest with alone."""
-    g = weights[0].geometry
-    table: TacticTable = {}
-    for bucket in buckets:
-        ms = BUCKET_MS[bucket]
-        if FUSED_CUTE.qkvg not in fusing_providers(weights[0], ms[-1], tactics):
-            continue
-        key = (FUSED_TACTIC, g.qkvg_rows, g.hidden_size, bucket)
-        default = fused_stage_tactic(g.qkvg_rows, g.hidden_size, ms[-1])
-        times = {}
-        for stages in FUSED_RINGS:
-            tactic = dataclasses.replace(default, stages=stages)
-            trial = {**tactics, key: tactic}
-            try:
-                reason = next(filter(None, (step_error(weights, FUSED_CUTE, m, trial) for m in ms)), None)
-                if reason is None:
-                    times[tactic] = [time_step(weights, FUSED_CUTE, m, trial) for m in ms]
-                else:
-                    progress(f"tactic fused t{bucket} {tactic.key()} dropped: {reason}")
-            except Exception as exc:  # a ring that cannot build is not a candidate; report it and go on
-                progress(f"tactic fused t{bucket} {tactic.key()} failed: {type(exc).__name__}: {exc}")
-        if times:
-            best = table[key] = most_robust(times)
-            timed = "; ".join(f"{t.key()} {_label_times(ms, times[t])}" for t in times)
-            progress(f"tactic fused t{bucket}: {best.key()} (fused stage: {timed})")
-    return table
-
-
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
@@ -469,7 +426,8 @@ def usable_providers(
 def fusing_providers(weights: ProjectionWeights, m: int, tactics: TacticTable | None = None) -> tuple[str, ...]:
     """The names of the providers that run this device's whole stage at ``m`` tokens as one fused launch
     (:meth:`~kda_backend.providers.base.GemmProvider.why_not_fused`)."""
-    calls = KDAProjection(weights, Plan(tactics=tactics or {})).fused_calls(m)
+    projection = KDAProjection(weights, Plan(tactics=tactics or {}))
+    calls = {role: projection.gemm_call(role, m) for role in ROLES}
     names = []
     for provider in hooks.gemm_providers():
         try:
@@ -582,6 +540,5 @@ def autotune(
     top = max_m("qkvg", device_capability(device))
     buckets = sorted({tactic_bucket(m) for m in ms if m <= top})
     tactics = tune_tactics(geometry, weights, buckets, progress=progress)
-    tactics.update(tune_fused(weights, buckets, tactics, progress))
     plan, _ = tune_plan(weights, ms, progress=progress, tactics=tactics)
     return plan

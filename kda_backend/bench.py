@@ -30,9 +30,8 @@ from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, make_weight_copies
 from kda_backend.batch_sizes import engine_batch_sizes, spans
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.skinny_gemm import Tactic
-from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.kernels.wgmma_stage import fused_stage_tactic
-from kda_backend.plan import FUSED_TACTIC, SEQUENTIAL_TORCH, Plan, Step
+from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.cute_provider import launch
@@ -166,11 +165,8 @@ def run_bench(
         row["vllm_step"] = variants["vllm_native"][0].to_json()
         row["sglang_step"] = variants["sglang_native"][0].to_json()
         step = plan.step(m)
-        # The CuTe provider's fused stage runs the plan's QKVG tactic for it, else derives one from M (another
-        # provider's has its own).
-        tuned = plan.tactic_for(FUSED_TACTIC, geometry.qkvg_rows, geometry.hidden_size, m)
-        fused = (fused_stage_tactic(geometry.qkvg_rows, geometry.hidden_size, m, tuned)
-                 if step.fused and (tuned is None or isinstance(tuned, WgmmaTactic)) else None)
+        # The CuTe provider's fused stage derives its QKVG tactic from M (another provider's has its own).
+        fused = fused_stage_tactic(geometry.qkvg_rows, geometry.hidden_size, m) if step.fused else None
         if fused is not None and step.qkvg == "cute":
             row["fused_qkvg_tactic"] = fused.key()
         if m in EAGER_MS:

@@ -13,9 +13,8 @@ bool, ``5`` for a provider name), an M that is not a positive integer, or (given
 that is not registered raises :class:`PlanError` naming the field, the value and what is accepted.
 
 A plan carries the CuTe tactics it was tuned with (:data:`TacticTable`); the projection hands each GEMM call its
-tactic (:meth:`Plan.tactic_for`), so two plans in one process never share tuning state; the role
-:data:`FUSED_TACTIC` keys QKVG's tactic inside the fused stage, tuned apart from the QKVG tactic of an overlapped
-step. In JSON the tactics are a list beside the plan object (:meth:`Plan.to_document`).
+tactic (:meth:`Plan.tactic_for`), so two plans in one process never share tuning state. In JSON the tactics are a
+list beside the plan object (:meth:`Plan.to_document`).
 """
 
 from __future__ import annotations
@@ -36,10 +35,6 @@ STEP_FIELDS = ("overlap", *ROLES, "fused")
 PLAN_FIELDS = ("source", "fallback", "steps")
 _M_KEY = re.compile(r"[1-9][0-9]*")
 TACTIC_ROW_FIELDS = ("role", "n", "k", "bucket", "tactic")
-# The tactic-table role of QKVG inside a fused step's stage (its n, k are QKVG's): the fused stage shares its SMs'
-# shared memory with the side chain, so its best ring differs from that of QKVG beside a forked side chain.
-FUSED_TACTIC = "fused"
-TACTIC_ROLES = (*ROLES, FUSED_TACTIC)
 # A tactic's JSON object names its kernel family in this field ("mma": the skinny kernel's Tactic, the default).
 KERNEL_FIELD = "kernel"
 TACTIC_CLASSES = {"mma": Tactic, "wgmma": WgmmaTactic}
@@ -47,8 +42,7 @@ TACTIC_CLASSES = {"mma": Tactic, "wgmma": WgmmaTactic}
 TACTIC_FIELDS = {
     family: {f.name: type(f.default) for f in dataclasses.fields(cls)} for family, cls in TACTIC_CLASSES.items()
 }
-# (role, n, k, bucket) -> tactic; ``role`` one of :data:`TACTIC_ROLES`, ``bucket``
-# :func:`~kda_backend.kernels.tactics.tactic_bucket`.
+# (role, n, k, bucket) -> tactic; ``bucket`` is :func:`~kda_backend.kernels.tactics.tactic_bucket`.
 TacticTable = dict[tuple[str, int, int, int], AnyTactic]
 
 
@@ -129,8 +123,8 @@ def tactics_from_json(rows: Any, where: str = "tactics") -> TacticTable:
         at = f"{where}[{i}]"
         row = require_object(at, row, TACTIC_ROW_FIELDS)
         role = row.get("role")
-        if role not in TACTIC_ROLES:
-            raise PlanError(f"{at}.role: {role!r}; accepted: {', '.join(TACTIC_ROLES)}")
+        if role not in ROLES:
+            raise PlanError(f"{at}.role: {role!r}; accepted: {', '.join(ROLES)}")
         n, k = _positive_int(f"{at}.n", row.get("n")), _positive_int(f"{at}.k", row.get("k"))
         bucket = row.get("bucket")
         if isinstance(bucket, bool) or bucket not in BUCKETS:

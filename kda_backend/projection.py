@@ -22,7 +22,7 @@ from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import info_once, warn_once
 from kda_backend.overlap import fork_while_capturing
-from kda_backend.plan import AUTO, FUSED_TACTIC, Plan
+from kda_backend.plan import AUTO, Plan
 from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, StageLauncher, TrailingLauncher
 from kda_backend.stages import FusedStage, Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
 from kda_backend.weights import ProjectionWeights
@@ -101,15 +101,6 @@ class KDAProjection:
             w_row_stride=weight.stride(0),
             tuned=self.plan.tactic_for(role, n, k, m),
         )
-
-    def fused_calls(self, m: int) -> dict[str, GemmCall]:
-        """The three GEMMs of a fused stage at ``m`` tokens, by role: as :meth:`gemm_call`, except that QKVG's
-        tuned configuration is the plan's :data:`~kda_backend.plan.FUSED_TACTIC` one (QKVG inside the fused
-        stage), ``None`` where the plan has none."""
-        calls = {role: self.gemm_call(role, m) for role in ROLES}
-        q = calls["qkvg"]
-        calls["qkvg"] = dataclasses.replace(q, tuned=self.plan.tactic_for(FUSED_TACTIC, q.n, q.k, m))
-        return calls
 
     def provider(self, role: str, m: int) -> GemmProvider:
         """The provider serving ``role`` at ``m`` tokens, selected and prepared once per (role, M); a provider
@@ -260,7 +251,7 @@ class KDAProjection:
             reason = f"provider {name!r} is broken: {dispatch.broken_reason(name)}"
         else:
             provider = dispatch.provider_by_name(name)
-            calls = self.fused_calls(m)
+            calls = {role: self.gemm_call(role, m) for role in ROLES}
             try:
                 reason = provider.why_not_fused(calls)
                 if reason is None:

@@ -10,15 +10,13 @@ import torch
 from kda_backend import hookimpl, plan_store, planning, register_plugin
 from kda_backend.geometry import preset
 from kda_backend.kernels.skinny_gemm import Tactic
-from kda_backend.kernels.wgmma_gemm import WgmmaTactic
-from kda_backend.plan import FUSED_TACTIC, SEQUENTIAL_TORCH, Plan, Step
+from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import forced_plan, resolve_plan, share
 
 G = preset("kimi-k3", 8)
 KEY = plan_store.plan_key(G, "NVIDIA H200", (9, 0), torch.bfloat16)
 TACTICS = {("qkvg", 6144, 7168, 16): Tactic(block_n=16, block_k=256, block_t=16, stages=4),
-           ("qkvg", 6144, 7168, 1): Tactic(block_n=16, block_k=256, block_t=16, stages=4, x_via_l1=False, x_bulk=True),
-           (FUSED_TACTIC, 6144, 7168, 16): WgmmaTactic(48, 64, 16, 9, tokens_on_m=True)}
+           ("qkvg", 6144, 7168, 1): Tactic(block_n=16, block_k=256, block_t=16, stages=4, x_via_l1=False, x_bulk=True)}
 PLAN = Plan(
     steps={1: Step(True, "cute", "cute", "cute"), 2: Step(False, "torch", "cute", "cute"),
            3: Step(True, "torch", "torch", "torch"), 4: Step(True, "cute", "cute", "cute", fused=True)},
@@ -34,7 +32,6 @@ def test_plan_json_round_trip_and_lookup():
     assert again.tactic_for("qkvg", 6144, 7168, 1) == TACTICS[("qkvg", 6144, 7168, 1)]
     assert again.tactic_for("qkvg", 6144, 7168, 2) == TACTICS[("qkvg", 6144, 7168, 16)]
     assert again.tactic_for("qkvg", 6144, 7168, 20) is None and again.tactic_for("fab", 144, 7168, 1) is None
-    assert again.tactic_for(FUSED_TACTIC, 6144, 7168, 4) == WgmmaTactic(48, 64, 16, 9, tokens_on_m=True)
     assert again.step(1).overlap and again.step(3).qkvg == "torch" and again.step(5) == SEQUENTIAL_TORCH
     assert [again.step(m).mode for m in (1, 2, 3, 4)] == ["overlap", "sequential", "overlap", "fused"]
     assert again.max_m == 4 and again.step(4).fused and not again.step(1).fused

@@ -1,7 +1,6 @@
 """The projection stage through the public API on the CPU (torch provider), and provider dispatch."""
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,8 +8,6 @@ from numerics import assert_close, poisoned, projection_outputs
 
 from kda_backend import GemmProvider, KDAProjection, Plan, ProjectionWeights, Step, dispatch, hookimpl, register_plugin
 from kda_backend.geometry import KDAGeometry, preset
-from kda_backend.kernels.wgmma_gemm import WgmmaTactic
-from kda_backend.plan import FUSED_TACTIC
 from kda_backend.providers.base import GemmCall
 from kda_backend.reference import KDALayerWeights, reference_projection
 
@@ -370,7 +367,6 @@ class _Fuser(_Trailer):
 
     def fused_launcher(self, calls):
         self.calls.append(f"built at M={calls['qkvg'].m}")
-        self.tuned = {role: call.tuned for role, call in calls.items()}
 
         def fused(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1):
             self.calls.append("fused")
@@ -402,21 +398,6 @@ def test_a_fused_step_runs_its_one_launch_eager_captured_and_without_f_b(monkeyp
     assert g1 is None and provider.calls[1:] == ["fused"] * 3
     assert_close(qkvg, ref[0], "qkvg")
     assert_close(beta, ref[2], "beta")
-
-
-def test_a_fused_step_hands_its_provider_the_plans_tactic_for_qkvg_in_the_fused_stage():
-    """QKVG's tuned configuration in a fused stage is the plan's ``fused`` tactic, not the one the plan tuned for
-    QKVG beside a forked side chain; the side chain's calls keep theirs."""
-    provider = _Fuser()
-    register_plugin(_Plugin(provider), provider.name)
-    fused, forked = WgmmaTactic(48, 64, 16, 9, tokens_on_m=True), WgmmaTactic(48, 64, 16, 10, tokens_on_m=True)
-    plan = Plan(steps={8: Step(overlap=True, fused=True, qkvg="fuser", fab="fuser", fb="fuser")},
-                tactics={(FUSED_TACTIC, TINY.qkvg_rows, TINY.hidden_size, 16): fused,
-                         ("qkvg", TINY.qkvg_rows, TINY.hidden_size, 16): forked})
-    proj = KDAProjection(_weights(TINY), plan)
-    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
-    assert proj.stage(4).mode == "fused" and provider.tuned == {"qkvg": fused, "fab": None, "fb": None}
-    assert proj.gemm_call("qkvg", 4).tuned == forked
 
 
 @pytest.mark.parametrize("step", [Step(overlap=True, fused=True, qkvg="fuser", fab="fuser", fb="fuser"),
@@ -580,35 +561,6 @@ def test_autotuner_never_times_or_keeps_a_step_that_computes_wrongly(monkeypatch
     assert timed and not any("doubling" in (s.qkvg, s.fab, s.fb) for s in timed)
     assert all("doubling" not in (plan.step(m).qkvg, plan.step(m).fab) for m in (2, 5))
     assert any(line.startswith("M=2 seq:doubling/doubling dropped: qkvg: relative error") for line in lines)
-
-
-def test_autotuner_keeps_the_fastest_right_ring_for_qkvg_in_the_fused_stage(monkeypatch):
-    """Where the CuTe provider fuses, each ring of ``FUSED_RINGS`` runs the fused step through the checks and the
-    timing of any step; a ring whose stage computes wrongly is reported and never kept, the fastest right one is
-    kept under the ``fused`` role; where nothing fuses, nothing is tuned."""
-    from kda_backend import autotune
-
-    g = preset("kimi-k3", 8)
-    weights = [SimpleNamespace(geometry=g)]  # the checks and timings are stand-ins: only the geometry is read
-    seen = []
-
-    def step_error(weights, step, m, tactics):
-        seen.append(step)
-        return "g1: relative error 1.0" if tactics[key].stages == 8 else None
-
-    key = (FUSED_TACTIC, g.qkvg_rows, g.hidden_size, 64)
-    monkeypatch.setattr(autotune, "fusing_providers", lambda weights, m, tactics: ("cute",))
-    monkeypatch.setattr(autotune, "step_error", step_error)
-    monkeypatch.setattr(autotune, "time_step", lambda weights, step, m, tactics: {9: 2e-6, 10: 1e-6}[
-        tactics[key].stages] * m)
-    lines = []
-    table = autotune.tune_fused(weights, [64], {}, lines.append)
-    assert table == {key: WgmmaTactic(48, 64, 64, 10, tokens_on_m=True)}
-    assert set(seen) == {autotune.FUSED_CUTE} and autotune.FUSED_RINGS == (8, 9, 10)
-    assert lines[0] == "tactic fused t64 w48k64t64s8mp dropped: g1: relative error 1.0"
-    assert lines[1].startswith("tactic fused t64: w48k64t64s10mp (fused stage: w48k64t64s9mp M=48 96.00 us")
-    monkeypatch.setattr(autotune, "fusing_providers", lambda weights, m, tactics: ())
-    assert autotune.tune_fused(weights, [64], {}, lines.append) == {}
 
 
 def test_autotuner_checks_and_times_its_candidates_as_tuning_projections(monkeypatch):

@@ -104,7 +104,7 @@ FILE_CASES = {
     "tactic-two-paths": (("tactics", 0, "tactic", "x_tma"), True,
                          "tactics[0].tactic: x_tma, x_via_l1 and x_bulk exclude each other (one activation path)"),
     "tactic-bucket": (("tactics", 0, "bucket"), 7, "tactics[0].bucket: 7; accepted: 1, 16, 32, 64, 128, 256"),
-    "tactic-role": (("tactics", 0, "role"), "qkv", "tactics[0].role: 'qkv'; accepted: qkvg, fab, fb, fused"),
+    "tactic-role": (("tactics", 0, "role"), "qkv", "tactics[0].role: 'qkv'; accepted: qkvg, fab, fb"),
     "tactic-n-string": (("tactics", 0, "n"), "6144", "tactics[0].n: '6144' is a string; accepted: a positive integer"),
     "tactic-k-zero": (("tactics", 0, "k"), 0, "tactics[0].k: 0 is an integer; accepted: a positive integer"),
     "empty": ("", None, "empty file"),

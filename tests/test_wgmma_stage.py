@@ -2,14 +2,13 @@
 CPU; on a GPU, against fp32 with outputs poisoned, determinism, its counters left zero, and graph replay against
 eager."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from kda_backend.geometry import preset
 from kda_backend.kernels.compile_cache import FusedStageKey, compile_gemm
-from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.providers.base import GemmCall
+from kda_backend.providers.cute_provider import CuteDslProvider
 from kda_backend.kernels.wgmma_gemm import RING_OFFSET_BYTES, WgmmaTactic
 from kda_backend.kernels.wgmma_stage import (
     FUSED_MAX_M,
@@ -21,8 +20,6 @@ from kda_backend.kernels.wgmma_stage import (
     plan_stage,
     validate_stage,
 )
-from kda_backend.providers.base import GemmCall
-from kda_backend.providers.cute_provider import CuteDslProvider
 
 G = preset("kimi-k3", 8)
 SHAPES = (G.qkvg_rows, G.fab_rows, G.local_width, G.hidden_size, G.head_dim)
@@ -91,24 +88,6 @@ def _calls(m, capability=(9, 0), w_row_stride=G.hidden_size, fb_x_row_stride=G.f
 @pytest.mark.parametrize("m", [1, 17, 64])
 def test_the_cute_provider_fuses_hopper_stages_up_to_64_tokens(m):
     assert CuteDslProvider().why_not_fused(_calls(m)) is None
-
-
-def test_a_plans_fused_tactic_sets_qkvgs_ring_in_the_fused_stage():
-    """The plan's tactic for QKVG in the fused stage arrives as the QKVG call's tuned one; it runs with the token
-    tile covering M, and the provider says why it refuses one the stage cannot take."""
-    tuned = WgmmaTactic(48, 64, 64, 9, tokens_on_m=True)
-    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 40, tuned) == WgmmaTactic(48, 64, 40, 9, tokens_on_m=True)
-    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 65, tuned) is None
-    calls = _calls(40)
-
-    def with_tuned(tactic):
-        return {**calls, "qkvg": dataclasses.replace(calls["qkvg"], tuned=tactic)}
-
-    provider = CuteDslProvider()
-    assert provider.why_not_fused(with_tuned(tuned)) is None
-    assert "is not a wgmma tactic" in provider.why_not_fused(with_tuned(Tactic(block_n=48, block_t=64)))
-    assert "unsplit tokens_on_m" in provider.why_not_fused(with_tuned(WgmmaTactic(64, 64, 64, 9)))
-    assert compile_stage(WgmmaStage(tuned.for_tokens(56), *SHAPES), "sm_90a") is not None
 
 
 @pytest.mark.parametrize(("calls", "reason"), [

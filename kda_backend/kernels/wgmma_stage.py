@@ -38,12 +38,11 @@ from kda_backend.kernels.wgmma_gemm import (
     validate_wgmma_tactic,
 )
 
-# QKVG's ring in the fused stage, by token tile, where no plan tuned it (the autotuner does, per device). A deeper one
-# streams QKVG no faster alone and takes HBM from the side chain's CTAs, more so as their activation tiles grow.
-# Measured on H200 for Kimi-K3 TP 8 (qkvg_tactics.py, benchmarks/results/levers/fused-stage/): at M = 24 / 40 / 48
-# the stage took 22.07 / 22.22 / 22.50 us with 10 slots against 23.36-25.08 with 12 and 24.46-24.83 with 15; at
-# M = 56 / 64 22.84 / 23.29 with 8 against 22.86 / 23.42 with 9 and 24.05 (M = 64) with 10 on one H200, while another
-# ran 9 slots 0.1-0.3 us faster than 8 there (fused-stage/qkvg-ring-m48-64-second-h200.log).
+# QKVG's ring in the fused stage, by token tile. A deeper one streams QKVG no faster alone and takes HBM from the
+# side chain's CTAs, more so as their activation tiles grow. Measured on H200 for Kimi-K3 TP 8 (qkvg_tactics.py,
+# benchmarks/results/levers/fused-stage/): at M = 24 / 40 / 48 the stage took 22.07 / 22.22 / 22.50 us with 10
+# slots against 23.36-25.08 with 12 and 24.46-24.83 with 15; at M = 56 / 64 22.84 / 23.29 with 8 against 22.86 /
+# 23.42 with 9 and 24.05 (M = 64) with 10.
 FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # The fused stage serves one token tile of tokens-on-M QKVG, up to 64 tokens: above, its 48-row CTAs alone fall behind
 # (M = 96: 27.9 us against the floor's 20.9) and the fused stage with them (34.3-34.8 us).
@@ -95,16 +94,12 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     return reason or StagePlan(tactic, fab, fb, side)
 
 
-def fused_stage_tactic(qkvg_rows: int, k: int, m: int, tuned: WgmmaTactic | None = None) -> WgmmaTactic | None:
-    """QKVG's tactic in the fused stage at ``m`` tokens, one token tile: ``tuned`` (a plan's, see
-    :data:`~kda_backend.plan.FUSED_TACTIC`) with the token tile covering ``m``, else
-    :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows` rows per CTA in the ring :data:`FUSED_STAGES` gives
-    its token tile; ``None`` above :data:`FUSED_MAX_M` or where 64-element K-tiles do not divide K.
-    :func:`validate_stage` says whether the stage takes it."""
+def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
+    """QKVG's tactic in the fused stage at ``m`` tokens: :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows`
+    rows per CTA in the ring :data:`FUSED_STAGES` gives its token tile, one token tile; ``None`` above
+    :data:`FUSED_MAX_M` or where 64-element K-tiles do not divide K."""
     if m > FUSED_MAX_M or k % 64:
         return None
-    if tuned is not None:
-        return tuned.for_tokens(m)
     tactic = WgmmaTactic(tokens_on_m_rows(qkvg_rows), 64, 64, 1, tokens_on_m=True).for_tokens(m)
     stages = next(slots for tile, slots in FUSED_STAGES if tactic.block_t <= tile)
     return dataclasses.replace(tactic, stages=stages)

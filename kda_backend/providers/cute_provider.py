@@ -302,8 +302,7 @@ class CuteDslProvider(GemmProvider):
     def why_not_fused(self, calls: dict[str, GemmCall]) -> str | None:
         """``None`` if :meth:`fused_launcher` serves ``calls``: Hopper, contiguous weights and activations, F_B
         reading F_A/beta's output, and the shapes of :func:`~kda_backend.kernels.wgmma_stage.plan_stage` on this
-        device's SMs with QKVG's tactic (``calls["qkvg"].tuned``, a plan's wgmma tactic for the fused stage, else
-        :func:`~kda_backend.kernels.wgmma_stage.fused_stage_tactic`'s default)."""
+        device's SMs."""
         q, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
         reason = cuda_bf16_reason(q, WGMMA_MAJORS)
         if reason is not None:
@@ -312,9 +311,7 @@ class CuteDslProvider(GemmProvider):
             return "fused stage: x and the weights must have contiguous rows of the hidden size (F_B's of D)"
         if fb.x_row_stride != fab.n:
             return "fused stage: F_B reads F_A from another buffer than F_A/beta's output"
-        if q.tuned is not None and not isinstance(q.tuned, WgmmaTactic):
-            return f"fused stage: the plan's tactic for it, {q.tuned!r}, is not a wgmma tactic"
-        tactic = fused_stage_tactic(q.n, q.k, q.m, q.tuned)
+        tactic = fused_stage_tactic(q.n, q.k, q.m)
         if tactic is None:
             return f"fused stage: M={q.m} above its token tile"
         return validate_stage(tactic, q.n, fab.n, fb.n, q.k, fb.k, _sms())
@@ -336,7 +333,7 @@ class CuteDslProvider(GemmProvider):
 
     def _new_fused_launcher(self, calls: dict[str, GemmCall], device: torch.device) -> StageLauncher:
         q, fab, fb = calls["qkvg"], calls["fab"], calls["fb"]
-        key = FusedStageKey(fused_stage_tactic(q.n, q.k, q.m, q.tuned), q.n, fab.n, fb.n, q.k, fb.k, _sms(),
+        key = FusedStageKey(fused_stage_tactic(q.n, q.k, q.m), q.n, fab.n, fb.n, q.k, fb.k, _sms(),
                             target_arch(device))
         kernel = compiled_gemms.get(key, self.kernel_folder())
         arrival_counters.reserve(device)
