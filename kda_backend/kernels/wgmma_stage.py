@@ -42,7 +42,9 @@ from kda_backend.kernels.wgmma_gemm import (
 # side chain's CTAs, more so as their activation tiles grow. Measured on H200 for Kimi-K3 TP 8 (qkvg_tactics.py,
 # benchmarks/results/levers/fused-stage/): at M = 24 / 40 / 48 the stage took 22.07 / 22.22 / 22.50 us with 10
 # slots against 23.36-25.08 with 12 and 24.46-24.83 with 15; at M = 56 / 64 22.84 / 23.29 with 8 against 22.86 /
-# 23.42 with 9 and 24.05 (M = 64) with 10.
+# 23.42 with 9 and 24.05 (M = 64) with 10. On other H200s 9 slots ran 0.1-0.3 us faster than 8 at M = 56 / 64 on one
+# and 1.3 us slower at M = 64 on another (qkvg-ring-m48-64-second-h200.log, tuned-ring/autotune.txt); one ring tuned
+# per tactic bucket lost 0.2-0.9 us at M = 40 / 48 (benchmarks/RESULTS.md, levers).
 FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # The fused stage serves one token tile of tokens-on-M QKVG, up to 64 tokens: above, its 48-row CTAs alone fall behind
 # (M = 96: 27.9 us against the floor's 20.9) and the fused stage with them (34.3-34.8 us).
