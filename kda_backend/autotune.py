@@ -57,7 +57,7 @@ DEFAULT_MS = engine_batch_sizes("all")
 BUCKET_MS = {SINGLE_TOKEN_BUCKET: (1,), 16: (2, 8, 16), 32: (24, 32), 64: (48, 64), 128: (96, 128), 256: (192, 256)}
 # wgmma QKVG candidates timed alone per bucket, and how many of them go on to the overlapped stage (besides the
 # fastest one that leaves room for the side chain, see _wgmma_finalists).
-WGMMA_CANDIDATES = 9
+WGMMA_CANDIDATES = 10
 WGMMA_FINALISTS = 2
 FINALISTS = 4  # in-stage candidates timed again
 RETIMING_ROUNDS = 2
@@ -245,8 +245,9 @@ def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic
     """The wgmma QKVG candidates timed alone: the default (64-row CTAs, the deepest one-CTA ring), the deepest
     one-CTA rings of 128-row CTAs and of 128-element K-tiles, each with and without programmatic dependent launch
     (measured on H200 for Kimi-K3 TP8 at M = 32: 64-row CTAs 23.03 us without it and 24.18 with it, 128-row ones
-    24.50 and 27.86; at TP4 64-row CTAs were faster with it), and the tokens-on-M tactics
-    (:func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_tactics`), at most :data:`WGMMA_CANDIDATES`."""
+    24.50 and 27.86; at TP4 64-row CTAs were faster with it), the tokens-on-M tactics
+    (:func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_tactics`) and the swap-AB one of fewer rows than an atom
+    (:func:`~kda_backend.kernels.wgmma_gemm.padded_rows_tactics`), at most :data:`WGMMA_CANDIDATES`."""
     default = default_wgmma_tactic(n, k, m)
     cands = wgmma_candidate_tactics(n, k, m, x_row_stride)
 
@@ -258,7 +259,7 @@ def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic
     for tactic in deepest(128, 64):
         picks += [dataclasses.replace(tactic, pdl=False), tactic]
     picks += deepest(64, 128)
-    picks += [c for c in cands if c.tokens_on_m]
+    picks += [c for c in cands if c.tokens_on_m or c.padded_rows]
     return list(dict.fromkeys(picks))[:WGMMA_CANDIDATES]
 
 

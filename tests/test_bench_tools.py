@@ -79,8 +79,9 @@ def test_tactic_keys(tools_on_path):
     assert parse_tactic("n48k256s4p", 24).block_t == 32
     assert parse_tactic("n16k256s4pB", 1).x_bulk and parse_tactic("n48k128s4x4pT", 16).x_tma
     assert t.key() == "n16k128t16s3x14pL"
-    assert parse_tactic("w64k64s9p", 100).key() == "w64k64t128s9p"
-    assert parse_tactic("w128k64s4x2", 40).key() == "w128k64t48s4x2"
+    assert parse_tactic("w64k64s9p", 100).key() == "w64k64t104s9p"
+    assert parse_tactic("w128k64s4x2", 40).key() == "w128k64t40s4x2"
+    assert parse_tactic("w48k64s9p", 72).key() == "w48k64t72s9p" and parse_tactic("w48k64s9p", 72).padded_rows
     assert token_counts("1,8,16") == [1, 8, 16]
     with pytest.raises(SystemExit):
         parse_tactic("n16k128", 1)

@@ -17,6 +17,7 @@ from kda_backend.kernels.wgmma_gemm import (
     WgmmaTactic,
     default_wgmma_tactic,
     leaves_room,
+    padded_rows_tactics,
     tokens_on_m_tactics,
     validate_wgmma_tactic,
     wgmma_block_t_for,
@@ -76,7 +77,10 @@ def test_threads_and_shared_memory():
     "tactic,n,k,xs,match",
     [
         (WgmmaTactic(), 100, K, K, "N=100 must be a multiple of 8"),
-        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be one of (64, 128, 256)"),
+        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be one of (64, 128, 256), or a multiple of 8"),
+        (WgmmaTactic(block_n=44), QKVG_TP8, K, K, "block_n=44 must be one of (64, 128, 256), or a multiple of 8"),
+        (WgmmaTactic(block_n=48, block_k=128, stages=4), QKVG_TP8, K, K, "rows below 64 load in 8-row boxes"),
+        (WgmmaTactic(block_n=48, split_k=2), QKVG_TP8, K, K, "split_k=2: rows below 64 run unsplit"),
         (WgmmaTactic(block_k=256), QKVG_TP8, K, K, "block_k=256 must be 64 or 128"),
         (WgmmaTactic(block_k=128, stages=4), QKVG_TP8, 7104, 7104, "dividing K=7104"),
         (WgmmaTactic(block_t=20), QKVG_TP8, K, K, "block_t=20 must be a multiple of 8"),
@@ -94,6 +98,29 @@ def test_validate_reasons(tactic, n, k, xs, match):
     assert reason is not None and match in reason
 
 
+def test_rows_below_one_atom_pad_the_mma_not_the_loads():
+    """Swap-AB CTAs of fewer than 64 rows (128 CTAs of 48 at TP 8): the 64-row MMA and its ring slot include the
+    padding rows, the loads and the transaction count only the real ones."""
+    tactic = WgmmaTactic(48, 64, 128, 9)
+    assert tactic.padded_rows and tactic.mma_rows == 64 and tactic.consumer_warpgroups == 1
+    assert tactic.stage_bytes() == (48 + 128) * 64 * 2 and tactic.slot_bytes() == (64 + 128) * 64 * 2
+    assert tactic.acc_registers() == 64 and tactic.ctas(QKVG_TP8, 128) == 128
+    assert not WgmmaTactic(64, 64, 128, 9).padded_rows
+    assert not WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).padded_rows
+
+
+def test_the_autotuner_times_the_padded_rows_tactic_where_a_row_block_is_below_one_atom():
+    from kda_backend.autotune import WGMMA_CANDIDATES, wgmma_shortlist
+
+    assert padded_rows_tactics(QKVG_TP8, K, 72) == [WgmmaTactic(48, 64, 72, 12)]
+    assert padded_rows_tactics(QKVG_TP8, K, 128) == [WgmmaTactic(48, 64, 128, 9)]
+    assert padded_rows_tactics(QKVG_TP4, K, 128) == []  # 96 rows per CTA: one atom and a half, no padding
+    for m in (64, 128):
+        picks = wgmma_shortlist(QKVG_TP8, K, m, K)
+        assert len(picks) <= WGMMA_CANDIDATES and padded_rows_tactics(QKVG_TP8, K, m)[0] in picks
+        assert all(t in picks for t in tokens_on_m_tactics(QKVG_TP8, K, m))
+
+
 def test_partial_row_blocks_and_odd_token_tiles_are_valid():
     """Rows past N and tokens past M are zero-filled by the TMA unit: any N % 8 == 0 and any multiple of 8 tokens."""
     for n in (136, 144, 152, QKVG_TP8 + 8):
@@ -102,7 +129,8 @@ def test_partial_row_blocks_and_odd_token_tiles_are_valid():
 
 
 def test_block_t_covers_m():
-    assert [wgmma_block_t_for(m) for m in (1, 17, 24, 33, 100, 129, 256, 300)] == [8, 24, 24, 48, 128, 192, 256, 256]
+    assert [wgmma_block_t_for(m) for m in (1, 17, 24, 33, 65, 100, 129, 256, 300)] == [8, 24, 24, 40, 72, 104, 192,
+                                                                                   256, 256]
 
 
 @pytest.mark.parametrize("n", [QKVG_TP8, QKVG_TP4, FAB, 136, 152])
@@ -170,6 +198,8 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 64, 10, tokens_on_m=True), QKVG_TP8),
     (WgmmaTactic(96, 64, 104, 6, tokens_on_m=True, pdl=False), QKVG_TP4),
     (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True), 136),
+    (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
+    (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
 ]
 
 
@@ -189,6 +219,7 @@ def _gpu_tactics(m):
     tactics.append(WgmmaTactic(64, 64, 16, 8))
     if m > 64:
         tactics.append(WgmmaTactic(128, 64, 48, 6))
+    tactics.append(WgmmaTactic(48, 64, block_t, 4))  # rows padded to the 64-row atom
     if m <= 128:
         tactics.append(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).for_tokens(m))
         tactics.append(WgmmaTactic(48, 64, 64, 6, tokens_on_m=True).for_tokens(8 * (m // 16) or 8))  # tile < M
@@ -294,3 +325,13 @@ def test_entry_point_refuses_missing_and_stray_operands_at_compile(monkeypatch):
     plain = WgmmaGemm(WgmmaTactic(64, 64, 32, 6), QKVG_TP8, K, K, K)
     with pytest.raises(ValueError, match="m_chain not used by tactic w64k64t32s6p: pass None"):
         cute.compile(plain, x, w, out, None, None, chain, None, stream, options=options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 72, 100, 128, 200], ids=lambda m: f"M{m}")
+def test_rows_below_one_atom_match_reference_with_partial_row_blocks(m):
+    """Swap-AB CTAs of 48 and 24 rows: the MMA's padding rows are never loaded and never stored; rows past N (136
+    rows in blocks of 48 and of 24) neither; a token tile smaller than M runs along grid y."""
+    _check(WgmmaTactic(48, 64, 64, 4).for_tokens(m), m, QKVG_TP8, seed=m)
+    _check(WgmmaTactic(48, 64, 64, 4).for_tokens(m), m, 136, seed=m)
+    _check(WgmmaTactic(24, 64, 32, 6, pdl=False), m, 136, seed=m)

@@ -8,7 +8,10 @@ are thousands, so the kernel is memory-bound on the weights (each read once); fr
 both operands from shared memory by descriptor, and one instruction covers 64 weight rows by up to 256 tokens.
 With :attr:`WgmmaTactic.tokens_on_m` the roles turn round: the tokens (padded to 64 per warpgroup) fill the M mode and
 the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs stream the weights (Kimi-K3's TP 8 QKVG:
-128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored.
+128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored. Under swap-AB a CTA
+may as well own fewer rows than the 64-row atom (:attr:`WgmmaTactic.padded_rows`): the weights arrive in boxes of 8
+rows and the atom's padding rows are never loaded, never stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one
+warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on.
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -82,7 +85,10 @@ RING_OFFSET_BYTES = SWIZZLE_ATOM_BYTES
 MAX_STAGES = 32  # their 16-byte mbarrier pairs and the flag fit before the ring
 MAX_DEFAULT_STAGES = 12  # the deepest ring the default and the candidates use
 MAX_ACC_REGISTERS = 128  # fp32 accumulators per consumer thread; more spill (255 registers per thread in all)
-TOKEN_TILES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # the token tiles the candidates use (any multiple of 8 runs)
+# The token tiles the candidates and the tile covering an M use (any multiple of 8 runs): every multiple of 8 up to
+# 128, since the TMA unit zero-fills a box's tokens past M slowly (TP 8 QKVG alone at M = 72 with 48-row CTAs: 29.38 us
+# with a 96-token tile, 22.40-22.58 with a 72-token one; benchmarks/results/levers/wgmma-padded-rows.log).
+TOKEN_TILES = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 192, 256)
 MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
@@ -94,7 +100,8 @@ class WgmmaTactic:
     """One specialization of the kernel.
 
     :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
-        each); with ``tokens_on_m`` any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
+        each), or a multiple of 8 below 64 in one padded atom (64-element K-tiles, no split-K); with ``tokens_on_m``
+        any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
         row block is partial (its rows past N are zero-filled and never stored).
     :param block_k: K elements per pipeline stage (64: one 128-byte swizzle atom, or 128), dividing K.
     :param block_t: tokens per CTA, a multiple of 8: the ``wgmma`` N, up to 256; with ``tokens_on_m`` up to
@@ -121,6 +128,17 @@ class WgmmaTactic:
     pdl: bool = True
 
     @property
+    def padded_rows(self) -> bool:
+        """Swap-AB with fewer weight rows than one ``wgmma`` atom's 64: the rows arrive in boxes of 8 and the MMA's
+        padding rows stay unloaded and unstored, as the tokens do with ``tokens_on_m``."""
+        return not self.tokens_on_m and self.block_n < ATOM_ROWS
+
+    @property
+    def mma_rows(self) -> int:
+        """Weight rows one CTA's MMAs cover: ``block_n``, or one 64-row atom where :attr:`padded_rows`."""
+        return ATOM_ROWS if self.padded_rows else self.block_n
+
+    @property
     def consumer_warpgroups(self) -> int:
         rows = self.block_t if self.tokens_on_m else self.block_n
         return 1 if rows <= ATOM_ROWS else 2
@@ -140,15 +158,15 @@ class WgmmaTactic:
 
     def acc_registers(self) -> int:
         """fp32 accumulators each consumer thread holds."""
-        return self.block_n * self.mma_tokens // self.consumer_warpgroups // WARPGROUP_THREADS
+        return self.mma_rows * self.mma_tokens // self.consumer_warpgroups // WARPGROUP_THREADS
 
     def stage_bytes(self) -> int:
         """Bytes loaded into one ring slot, weight and activation tiles: what its transaction barrier counts."""
         return (self.block_n + self.block_t) * self.block_k * 2
 
     def slot_bytes(self) -> int:
-        """Shared memory of one ring slot: the MMA's whole activation tile (its padding tokens stay unloaded)."""
-        return (self.block_n + self.mma_tokens) * self.block_k * 2
+        """Shared memory of one ring slot: the MMA's whole tiles (their padding rows and tokens stay unloaded)."""
+        return (self.mma_rows + self.mma_tokens) * self.block_k * 2
 
     def smem_bytes(self) -> int:
         """The ring after the barrier area (the output tile reuses the drained ring)."""
@@ -202,8 +220,15 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
+    elif t.padded_rows:
+        if t.block_n % 8 or t.block_n < 8:
+            return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
+        if t.block_k != 64:
+            return f"block_k={t.block_k}: rows below {ATOM_ROWS} load in 8-row boxes of one 64-element swizzle atom"
+        if t.split_k != 1:
+            return f"split_k={t.split_k}: rows below {ATOM_ROWS} run unsplit (their narrow CTAs fill the SMs)"
     elif t.block_n not in BLOCK_ROWS:
-        return f"block_n={t.block_n} must be one of {BLOCK_ROWS}"
+        return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
         return f"block_k={t.block_k} must be 64 or 128 dividing K={k}"
     if t.block_t % 8 or not 8 <= t.block_t <= MAX_TOKEN_TILE:
@@ -298,10 +323,25 @@ def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [deep, dataclasses.replace(deep, pdl=False), *(dataclasses.replace(probe, stages=s) for s in rings[1:])]
 
 
+def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
+    """The swap-AB tactic whose CTAs hold fewer rows than one 64-row atom (:attr:`WgmmaTactic.padded_rows`):
+    :func:`tokens_on_m_rows` rows per CTA, so every SM streams about one row block, with PDL in the deepest ring one
+    CTA per SM allows (at most 12 K-tiles); none where that is 64 rows or more or 64-element K-tiles do not divide K.
+    Measured on H200 for Kimi-K3 TP 8 QKVG alone (`benchmarks/results/levers/wgmma-padded-rows.log`): 22.40-22.58 /
+    23.38 / 24.42-24.47 / 25.94 us at M = 72 / 96 / 112 / 128, 1.04-1.22x its floor, against 24.44 / 26.77 / - /
+    31.89 for tokens-on-M CTAs of 48 rows in the same runs."""
+    rows = tokens_on_m_rows(n)
+    if rows >= ATOM_ROWS or k % 64:
+        return []
+    probe = WgmmaTactic(rows, 64, wgmma_block_t_for(m), 1)
+    stages = min(MAX_DEFAULT_STAGES, max_stages(rows, 64, probe.block_t, 1))
+    return [dataclasses.replace(probe, stages=stages)] if stages >= 2 else []
+
+
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
     size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
-    and :func:`tokens_on_m_tactics`."""
+    and :func:`tokens_on_m_tactics` and :func:`padded_rows_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -313,7 +353,7 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    for tactic in [default, *tokens_on_m_tactics(n, k, m)]:
+    for tactic in [default, *tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m)]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
     return found
@@ -369,11 +409,23 @@ class WgmmaGemm:
                 t.stages * t.mma_tokens // X_BOX_TOKENS,
             )
         else:
-            tile_mnk = (t.block_n, t.block_t, t.block_k)
+            tile_mnk = (t.mma_rows, t.block_t, t.block_k)
             s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             x_box, s_x_box_layout = (t.block_t, t.block_k), s_x_layout
         return tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout
+
+    def _w_boxes(self, dtype, s_w_layout):
+        """``(w_box, s_w_box_layout)``: the weights' TMA box and the ring as those boxes fill it: one box per tile,
+        or where :attr:`WgmmaTactic.padded_rows` boxes of 8 rows, box j of slot s rows 8j .. 8j + 7 of that slot's
+        64-row tile (one 128-byte swizzle atom each)."""
+        t = self.tactic
+        if t.padded_rows:
+            return (X_BOX_TOKENS, t.block_k), hopper_helpers.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (X_BOX_TOKENS, t.block_t, t.block_k), dtype,
+                t.stages * t.mma_rows // X_BOX_TOKENS,
+            )
+        return (t.block_n, t.block_k), s_w_layout
 
     @cute.jit
     def __call__(
@@ -396,9 +448,8 @@ class WgmmaGemm:
         t = self.tactic
         tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w.element_type)
         # The tensor maps are encoded per call from the tensors, so x's covers this call's M (rows past it read as 0).
-        w_tma, w_src = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
-        )
+        w_box, s_w_box_layout = self._w_boxes(m_w.element_type, s_w_layout)
+        w_tma, w_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_box_layout, w_box)
         x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
         # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k).
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
@@ -487,11 +538,16 @@ class WgmmaGemm:
         m_tokens = m_out_t.shape[1]
         k_tiles = self.k // t.block_k // t.split_k
         k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
+        s_w_box = s_w
+        if cutlass.const_expr(t.padded_rows):  # the weight ring as its 8-row boxes fill it
+            _, s_w_box_layout = self._w_boxes(m_out_t.element_type, None)
+            s_w_box = cute.make_tensor(cute.recast_ptr(ring, s_w_box_layout.inner, dtype=m_out_t.element_type),
+                                       s_w_box_layout.outer)
         # (TMA, k_tiles of K) global and (TMA, stages) shared views of each operand.
-        t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w, s_x_box, bidx, bidy)
+        t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w_box, s_x_box, bidx, bidy)
 
         if warp == t.consumer_threads // 32:
-            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidy, k_first, k_tiles)
+            self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_first, k_tiles)
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
@@ -499,7 +555,7 @@ class WgmmaGemm:
             g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
             c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
             # The MMAs' (rows, tokens) tile, staged in the drained ring on its way out.
-            s_o = cute.make_tensor(ring, cute.make_layout((t.block_n, t.mma_tokens), stride=(1, t.block_n)))
+            s_o = cute.make_tensor(ring, cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
             if cutlass.const_expr(t.split_k > 1):
@@ -517,7 +573,10 @@ class WgmmaGemm:
         ``token_tile``; with ``tokens_on_m`` the activations' as (TMA, boxes of all stages) and (TMA, boxes of all
         tokens, K-tiles)."""
         t = self.tactic
-        g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
+        if cutlass.const_expr(t.padded_rows):
+            g_w = cute.local_tile(w_src, (X_BOX_TOKENS, t.block_k), (None, None))
+        else:
+            g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
         if cutlass.const_expr(t.tokens_on_m):
             g_x = cute.local_tile(x_src, (X_BOX_TOKENS, t.block_k), (None, None))
         else:
@@ -531,7 +590,7 @@ class WgmmaGemm:
         return t_sw, t_gw, t_sx, t_gx
 
     @cute.jit
-    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, token_tile, k_first,
+    def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, row_block, token_tile, k_first,
                  k_tiles: cutlass.Constexpr[int]):
         """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it.
         The TMA copies elect their issuing lane themselves; the whole warp runs this."""
@@ -545,8 +604,7 @@ class WgmmaGemm:
         # slot's barrier expects both tiles' bytes, so it completes once the activations land too.
         for s in cutlass.range_constexpr(prologue):
             mainloop.producer_acquire(state)  # the ring starts empty: no wait
-            cute.copy(w_tma, t_gw[None, k_first + s], t_sw[None, s], tma_bar_ptr=mainloop.producer_get_barrier(state),
-                      cache_policy=w_policy)
+            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + s, s, mainloop.producer_get_barrier(state), w_policy)
             state.advance()
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
@@ -558,9 +616,21 @@ class WgmmaGemm:
         for k in cutlass.range(prologue, k_tiles, unroll=1):
             mainloop.producer_acquire(state)
             bar = mainloop.producer_get_barrier(state)
-            cute.copy(w_tma, t_gw[None, k_first + k], t_sw[None, state.index], tma_bar_ptr=bar, cache_policy=w_policy)
+            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
             self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
+
+    def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
+        """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
+        :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows."""
+        t = self.tactic
+        if t.padded_rows:  # traced once per box: a static loop
+            boxes, per_slot = t.block_n // X_BOX_TOKENS, t.mma_rows // X_BOX_TOKENS
+            for j in range(boxes):
+                cute.copy(w_tma, t_gw[None, row_block * boxes + j, k], t_sw[None, slot * per_slot + j],
+                          tma_bar_ptr=bar, cache_policy=policy)
+        else:
+            cute.copy(w_tma, t_gw[None, k], t_sw[None, slot], tma_bar_ptr=bar, cache_policy=policy)
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
@@ -638,8 +708,8 @@ class WgmmaGemm:
         t_so = thr_mma.partition_C(self._mma_view(s_o))
         t_so.store(acc.load().to(s_o.element_type))
         self._consumers_sync()
-        if cutlass.const_expr(t.tokens_on_m):
-            s_o = cute.local_tile(s_o, (t.block_n, t.block_t), (0, 0))  # the tile's tokens, not the MMA's padding
+        if cutlass.const_expr(t.tokens_on_m or t.padded_rows):
+            s_o = cute.local_tile(s_o, (t.block_n, t.block_t), (0, 0))  # the tile's rows and tokens, not the padding
         vec = (ELEMS_PER_COPY, 1)
         v_s, v_g, v_c = cute.zipped_divide(s_o, vec), cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_o.element_type, num_bits_per_copy=COPY_BITS)
