@@ -359,6 +359,19 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
     return found
 
 
+def _load_tile(tma, t_g, t_s, tile, k, slot, bar, policy, boxes: tuple[int, int] | None) -> None:
+    """Start one operand tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box where ``boxes`` is
+    ``None``, else ``boxes = (per tile, per slot)`` boxes of 8 rows, those of tile ``tile`` along the operand (traced
+    once per box: a static loop)."""
+    if boxes is None:
+        cute.copy(tma, t_g[None, k], t_s[None, slot], tma_bar_ptr=bar, cache_policy=policy)
+        return
+    per_tile, per_slot = boxes
+    for j in range(per_tile):
+        cute.copy(tma, t_g[None, tile * per_tile + j, k], t_s[None, slot * per_slot + j], tma_bar_ptr=bar,
+                  cache_policy=policy)
+
+
 class WgmmaGemm:
     """The kernel for one tactic and one static problem (N, K, row strides); M is a runtime value."""
 
@@ -624,25 +637,15 @@ class WgmmaGemm:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
         :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows."""
         t = self.tactic
-        if t.padded_rows:  # traced once per box: a static loop
-            boxes, per_slot = t.block_n // X_BOX_TOKENS, t.mma_rows // X_BOX_TOKENS
-            for j in range(boxes):
-                cute.copy(w_tma, t_gw[None, row_block * boxes + j, k], t_sw[None, slot * per_slot + j],
-                          tma_bar_ptr=bar, cache_policy=policy)
-        else:
-            cute.copy(w_tma, t_gw[None, k], t_sw[None, slot], tma_bar_ptr=bar, cache_policy=policy)
+        boxes = (t.block_n // X_BOX_TOKENS, t.mma_rows // X_BOX_TOKENS) if t.padded_rows else None
+        _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
         ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
         t = self.tactic
-        if t.tokens_on_m:  # traced once per box: a static loop
-            boxes, per_slot = t.block_t // X_BOX_TOKENS, t.mma_tokens // X_BOX_TOKENS
-            for j in range(boxes):
-                cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * per_slot + j],
-                          tma_bar_ptr=bar, cache_policy=policy)
-        else:
-            cute.copy(x_tma, t_gx[None, k], t_sx[None, slot], tma_bar_ptr=bar, cache_policy=policy)
+        boxes = (t.block_t // X_BOX_TOKENS, t.mma_tokens // X_BOX_TOKENS) if t.tokens_on_m else None
+        _load_tile(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy, boxes)
 
     @cute.jit
     def _consume(self, mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
