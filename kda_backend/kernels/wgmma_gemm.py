@@ -67,11 +67,12 @@ from kda_backend.kernels.skinny_gemm import (
 
 ATOM_ROWS = 64  # wgmma's M: weight rows (tokens with tokens_on_m) per instruction and warpgroup
 BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
-# With tokens_on_m the activations arrive in boxes of 8 tokens: one 128-byte swizzle atom each, contiguous in the MMA's
-# 64-token tile, so only the tile's block_t tokens are loaded. One box of 64 tokens reaching past M is zero-filled by
-# the TMA unit, which measured slow: TP 8 QKVG alone 31.0 / 29.5 us at M = 24 / 32 against 22.5 / 21.9 at 48 / 64
+# With tokens_on_m the activations arrive in boxes of 8 tokens, and with padded_rows the weights in boxes of 8 rows:
+# one 128-byte swizzle atom each, contiguous in the MMA's 64-row tile, so only the tile's real tokens or rows are
+# loaded. One box of 64 tokens reaching past M is zero-filled by the TMA unit, which measured slow: TP 8 QKVG alone
+# 31.0 / 29.5 us at M = 24 / 32 against 22.5 / 21.9 at 48 / 64
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
-X_BOX_TOKENS = 8
+BOX_ROWS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
@@ -214,7 +215,7 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
     if t.tokens_on_m:
         if t.block_n % 8 or not 8 <= t.block_n <= MAX_TOKEN_TILE:
             return f"block_n={t.block_n} must be a multiple of 8 from 8 to {MAX_TOKEN_TILE} (the MMA's N)"
-        if t.block_t % X_BOX_TOKENS or not X_BOX_TOKENS <= t.block_t <= MAX_TOKENS_ON_M:
+        if t.block_t % BOX_ROWS or not BOX_ROWS <= t.block_t <= MAX_TOKENS_ON_M:
             return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKENS_ON_M} with tokens_on_m"
         if t.block_k != 64:
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
@@ -416,10 +417,10 @@ class WgmmaGemm:
             s_x_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_w_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             # The same ring as boxes of 8 tokens: box j of slot s is rows 8j .. 8j + 7 of that slot's tile.
-            x_box = (X_BOX_TOKENS, t.block_k)
+            x_box = (BOX_ROWS, t.block_k)
             s_x_box_layout = hopper_helpers.make_smem_layout_a(
-                LayoutEnum.ROW_MAJOR, (X_BOX_TOKENS, t.block_n, t.block_k), dtype,
-                t.stages * t.mma_tokens // X_BOX_TOKENS,
+                LayoutEnum.ROW_MAJOR, (BOX_ROWS, t.block_n, t.block_k), dtype,
+                t.stages * t.mma_tokens // BOX_ROWS,
             )
         else:
             tile_mnk = (t.mma_rows, t.block_t, t.block_k)
@@ -429,14 +430,14 @@ class WgmmaGemm:
         return tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout
 
     def _w_boxes(self, dtype, s_w_layout):
-        """``(w_box, s_w_box_layout)``: the weights' TMA box and the ring as those boxes fill it: one box per tile,
-        or where :attr:`WgmmaTactic.padded_rows` boxes of 8 rows, box j of slot s rows 8j .. 8j + 7 of that slot's
-        64-row tile (one 128-byte swizzle atom each)."""
+        """``(w_box, s_w_box_layout)``: the weights' TMA box and the ring as those boxes fill it: one box per tile
+        (``s_w_layout``, the weight ring's layout, itself), or where :attr:`WgmmaTactic.padded_rows` boxes of 8 rows,
+        box j of slot s rows 8j .. 8j + 7 of that slot's 64-row tile (one 128-byte swizzle atom each)."""
         t = self.tactic
         if t.padded_rows:
-            return (X_BOX_TOKENS, t.block_k), hopper_helpers.make_smem_layout_a(
-                LayoutEnum.ROW_MAJOR, (X_BOX_TOKENS, t.block_t, t.block_k), dtype,
-                t.stages * t.mma_rows // X_BOX_TOKENS,
+            return (BOX_ROWS, t.block_k), hopper_helpers.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (BOX_ROWS, t.block_t, t.block_k), dtype,
+                t.stages * t.mma_rows // BOX_ROWS,
             )
         return (t.block_n, t.block_k), s_w_layout
 
@@ -587,11 +588,11 @@ class WgmmaGemm:
         tokens, K-tiles)."""
         t = self.tactic
         if cutlass.const_expr(t.padded_rows):
-            g_w = cute.local_tile(w_src, (X_BOX_TOKENS, t.block_k), (None, None))
+            g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
         if cutlass.const_expr(t.tokens_on_m):
-            g_x = cute.local_tile(x_src, (X_BOX_TOKENS, t.block_k), (None, None))
+            g_x = cute.local_tile(x_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (token_tile, None))
         t_sw, t_gw = cpasync.tma_partition(
@@ -637,14 +638,14 @@ class WgmmaGemm:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
         :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows."""
         t = self.tactic
-        boxes = (t.block_n // X_BOX_TOKENS, t.mma_rows // X_BOX_TOKENS) if t.padded_rows else None
+        boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
         _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
         ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
         t = self.tactic
-        boxes = (t.block_t // X_BOX_TOKENS, t.mma_tokens // X_BOX_TOKENS) if t.tokens_on_m else None
+        boxes = (t.block_t // BOX_ROWS, t.mma_tokens // BOX_ROWS) if t.tokens_on_m else None
         _load_tile(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy, boxes)
 
     @cute.jit
