@@ -77,15 +77,26 @@ def make_weight_copies(geometry: KDAGeometry, device: torch.device, copies: int 
     return out
 
 
+# The tactic-timing role of the one GEMM over the packed [QKVG; FAB] weight (a sequential step's packed form); its
+# tactic is kept as QKVG's at the packed weight's rows.
+PACKED = "packed"
+
+
 def _role_shapes(g: KDAGeometry) -> dict[str, tuple[int, int, int]]:
     return {
         "qkvg": (g.qkvg_rows, g.hidden_size, g.hidden_size),
+        PACKED: (g.packed_rows, g.hidden_size, g.hidden_size),
         "fab": (g.fab_rows, g.hidden_size, g.hidden_size),
         "fb": (g.local_width, g.head_dim, g.fab_rows),
     }
 
 
 OVERLAP_CUTE = Step(overlap=True, qkvg="cute", fab="cute", fb="cute")
+
+
+def _role_weight(w: ProjectionWeights, role: str) -> torch.Tensor:
+    """The weight ``role``'s GEMM reads: :meth:`ProjectionWeights.of_role`, or the packed weight for :data:`PACKED`."""
+    return w.packed if role == PACKED else w.of_role(role)
 
 
 def time_tactic(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, m: int) -> float:
@@ -95,7 +106,7 @@ def time_tactic(weights: list[ProjectionWeights], role: str, tactic: AnyTactic, 
     device, c = weights[0].device, len(weights)
     x_views = [torch.randn(m, x_row_stride, device=device, dtype=torch.bfloat16)[:, :k] for _ in range(c)]
     outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(c)]
-    w_role = [w.of_role(role) for w in weights]
+    w_role = [_role_weight(w, role) for w in weights]
     tactic = for_m(tactic, m)  # the token tile a wgmma tactic runs m with
     return graph_time_per_layer(lambda i: launch(tactic, x_views[i % c], w_role[i % c], outs[i % c]), layers=LAYERS)
 
@@ -106,7 +117,7 @@ def tactic_error(weights: list[ProjectionWeights], role: str, tactic: AnyTactic,
     (:func:`~kda_backend.accuracy.output_error`). Every candidate is checked before it is timed, so a
     kernel that computes wrongly on this device is never the fastest."""
     n, k, x_row_stride = _role_shapes(weights[0].geometry)[role]
-    w = weights[0].of_role(role)
+    w = _role_weight(weights[0], role)
     x = torch.randn(m, x_row_stride, device=w.device, dtype=torch.bfloat16)[:, :k]
     out = torch.full((m, n), float("nan"), device=w.device, dtype=torch.bfloat16)
     launch(for_m(tactic, m), x, w, out)
@@ -204,10 +215,11 @@ def tune_tactics(
         qkvg_key, fab_key = ("qkvg", q_n, q_k, bucket), ("fab", f_n, f_k, bucket)
         wgmma = []
         if wgmma_serves("qkvg", capability) and bucket >= WGMMA_MIN_BUCKET:
-            wgmma = _wgmma_finalists(weights, q_n, q_k, q_xs, bucket, progress)
+            wgmma = _wgmma_finalists(weights, "qkvg", q_n, q_k, q_xs, bucket, progress)
         if bucket > SKINNY_MAX_M:  # no CuTe side chain here: the fastest QKVG alone (none right: cuBLAS serves)
             if wgmma:
                 table[qkvg_key] = wgmma[0]
+                table.update(_packed_tactic(weights, bucket, progress))
             continue
         pairs = []
         q_cands, q_default = candidate_tactics(q_n, q_k, top, q_xs), default_tactic(q_n, q_k, top)
@@ -263,22 +275,42 @@ def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic
     return list(dict.fromkeys(picks))[:WGMMA_CANDIDATES]
 
 
-def _wgmma_finalists(weights, n: int, k: int, xs: int, bucket: int, progress: Callable[[str], None]) -> list:
-    """The :data:`WGMMA_FINALISTS` fastest wgmma QKVG tactics alone over the bucket's M, fastest first, and the
+def _wgmma_finalists(
+    weights, role: str, n: int, k: int, xs: int, bucket: int, progress: Callable[[str], None]
+) -> list:
+    """The :data:`WGMMA_FINALISTS` fastest wgmma tactics for ``role`` (QKVG, or :data:`PACKED`) alone over the
+    bucket's M, fastest first (none where none computes right), and the
     fastest one that :func:`~kda_backend.kernels.wgmma_gemm.leaves_room` for the side chain. A deep ring over every
     SM wins alone and loses in the stage: measured on H200 for Kimi-K3 TP 8, 128 tokens-on-M CTAs of 48 rows with
     12 stages took QKVG alone 1.000-1.048x its floor at M = 17..64, but the stage 2.6-19.6 us longer than QKVG alone,
     with 8 stages 0.4-5.6 us (`benchmarks/results/levers/wgmma-tokens-on-m.log`)."""
     ms = BUCKET_MS[bucket]
-    shortlist = verified(weights, "qkvg", wgmma_shortlist(n, k, ms[-1], xs), ms, progress)
-    times = {tactic: [time_tactic(weights, "qkvg", tactic, m) for m in ms] for tactic in shortlist}
+    shortlist = verified(weights, role, wgmma_shortlist(n, k, ms[-1], xs), ms, progress)
+    if not shortlist:
+        return []
+    times = {tactic: [time_tactic(weights, role, tactic, m) for m in ms] for tactic in shortlist}
     slowdown = worst_slowdowns(times)
     ranked = sorted(times, key=lambda tactic: slowdown[tactic])
     timed = "; ".join(f"{t.key()} {_label_times(ms, times[t])}" for t in ranked)
-    progress(f"tactic qkvg t{bucket} wgmma: {timed}")
+    progress(f"tactic {role} t{bucket} wgmma: {timed}")
     finalists = ranked[:WGMMA_FINALISTS]
     roomy = [tactic for tactic in ranked if leaves_room(tactic)]
     return finalists + [roomy[0]] if roomy and roomy[0] not in finalists else finalists
+
+
+def _packed_tactic(weights: list[ProjectionWeights], bucket: int, progress: Callable[[str], None]) -> TacticTable:
+    """Where the weights are packed (vLLM's layout), the fastest wgmma tactic alone over the bucket's M for one GEMM
+    over the packed ``[QKVG; FAB]`` weight, kept as QKVG's tactic at the packed rows: a sequential step whose QKVG
+    provider serves it then runs that one GEMM and F_B after it (:meth:`~kda_backend.projection.KDAProjection.stage`).
+    An estimate, not measured as a stage: at TP 8 M = 72 / 96 one GEMM over the 6288 rows in 131 swap-AB CTAs of 48
+    rows and F_B after it would take about 25.2 / 26.2 us against sequential cuBLAS's 28.4 / 29.0 (QKVG alone on those
+    CTAs 22.40 / 23.38, F_B's dependent launch 2.2-2.5; `benchmarks/results/levers/wgmma-padded-rows.log`,
+    `packed-qkvg-fab-gemm.log`)."""
+    if weights[0].packed is None:
+        return {}
+    n, k, xs = _role_shapes(weights[0].geometry)[PACKED]
+    finalists = _wgmma_finalists(weights, PACKED, n, k, xs, bucket, progress)
+    return {("qkvg", n, k, bucket): finalists[0]} if finalists else {}
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

@@ -227,14 +227,29 @@ class KDAProjection:
                 )
             else:
                 stage = SequentialStage(**gemms)
-            packed = None
-            w = self.weights
-            if w.packed is not None and not step.overlap and {gemms["qkvg"].provider.name,
-                                                               gemms["fab"].provider.name} == {"torch"}:
-                call = dataclasses.replace(self.gemm_call("qkvg", m), n=self.geometry.packed_rows)
-                packed = PackedStage(self._gemm("qkvg", m, call), gemms["fb"])
+            packed = self._packed(m, gemms) if self.weights.packed is not None and not step.overlap else None
             self._stages[m] = (stage, packed)
         return self._stages[m]
+
+    def _packed(self, m: int, gemms: dict[str, Gemm]) -> PackedStage | None:
+        """The packed form of a sequential step over packed weights: one GEMM over ``[QKVG; FAB]`` by QKVG's
+        provider, then F_B. Taken where QKVG and F_A/beta both run on torch (cuBLAS over the packed weight, vLLM's
+        own path), or where the plan tuned QKVG's tactic at the packed rows and QKVG's provider serves it (the
+        autotuner then timed the step in this form); ``None`` otherwise, or where its GEMM cannot be built (one
+        warning: the step runs its GEMMs one after another)."""
+        g, qkvg = self.geometry, gemms["qkvg"].provider
+        call = dataclasses.replace(self.gemm_call("qkvg", m), n=g.packed_rows,
+                                   tuned=self.plan.tactic_for("qkvg", g.packed_rows, g.hidden_size, m))
+        if {qkvg.name, gemms["fab"].provider.name} != {"torch"} and (
+                call.tuned is None or dispatch.why_not(qkvg, call) is not None):
+            return None
+        try:
+            qkvg.prepare(call)
+            return PackedStage(Gemm("qkvg", qkvg, qkvg.launcher(call)), gemms["fb"])
+        except Exception as exc:  # a plugin's provider may fail in any way; the step's separate GEMMs serve
+            warn_once(f"packed-{qkvg.name}-{m}", f"packed projection GEMM at M={m} not built by {qkvg.name!r} "
+                      f"({type(exc).__name__}: {exc}); the step runs its GEMMs one after another")
+            return None
 
     def _fused(self, m: int) -> FusedStage | None:
         """The fused stage of a step that asks for one, or ``None`` (one warning; the step runs as its ``overlap``

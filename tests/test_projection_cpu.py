@@ -1,6 +1,7 @@
 """The projection stage through the public API on the CPU (torch provider), and provider dispatch."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from numerics import assert_close, poisoned, projection_outputs
 
 from kda_backend import GemmProvider, KDAProjection, Plan, ProjectionWeights, Step, dispatch, hookimpl, register_plugin
 from kda_backend.geometry import KDAGeometry, preset
+from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.providers.base import GemmCall
 from kda_backend.reference import KDALayerWeights, reference_projection
 
@@ -528,6 +530,43 @@ def test_build_projection_names_bad_batch_sizes():
     assert build_projection(_weights(TINY), batch_sizes=[4, 1]).plan.source == "cpu"
 
 
+class _Packer(_Picky):
+    """Serves QKVG (on the CPU) and records the calls it builds launchers for."""
+
+    name = "packer"
+
+    def launcher(self, call):
+        self.calls.append((call.n, call.tuned))
+        return super().launcher(call)
+
+
+@pytest.mark.parametrize("tuned", [True, False], ids=["packed-tactic", "no-packed-tactic"])
+def test_a_sequential_step_runs_one_gemm_over_packed_weights_where_the_plan_tuned_it(tuned):
+    """Over packed weights a sequential step whose QKVG provider is not torch runs the packed form (one GEMM over
+    [QKVG; FAB] by that provider, F_B after) only where the plan tuned QKVG's tactic at the packed rows; output
+    buffers (SGLang's F_A/beta one) take the step's separate GEMMs, which the autotuner also checks."""
+    packer = _Packer()
+    register_plugin(_Plugin(packer), packer.name)
+    g = TINY
+    tactic = WgmmaTactic(48, 64, 16, 9)
+    tactics = {("qkvg", g.packed_rows, g.hidden_size, 16): tactic} if tuned else {}
+    proj = KDAProjection(_weights(g, packed=True), Plan(steps={8: Step(False, "packer", "torch", "torch")},
+                                                        tactics=tactics))
+    x = torch.randn(4, g.hidden_size).bfloat16()
+    _check_against_reference(proj, x)
+    packed = proj._stage_pair(4)[1]
+    assert (packed is not None) == tuned
+    assert packer.calls == ([(g.qkvg_rows, None), (g.packed_rows, tactic), "qkvg"] if tuned
+                            else [(g.qkvg_rows, None), "qkvg"])
+    packer.calls.clear()
+    (fab,) = poisoned((4, g.fab_rows))
+    qkvg, g1, beta = proj(x, fab_out=fab)
+    ref = reference_projection(x, proj.weights.w_qkvg, proj.weights.w_fab, proj.weights.w_fb, g)
+    assert packer.calls == ["qkvg"]
+    for name, out, expect in zip(("qkvg", "g1", "beta"), (qkvg, g1, beta), ref):
+        assert_close(out, expect, name)
+
+
 class _Doubling(GemmProvider):
     """Serves every GEMM on the CPU and gets it wrong: twice the product."""
 
@@ -561,6 +600,29 @@ def test_autotuner_never_times_or_keeps_a_step_that_computes_wrongly(monkeypatch
     assert timed and not any("doubling" in (s.qkvg, s.fab, s.fb) for s in timed)
     assert all("doubling" not in (plan.step(m).qkvg, plan.step(m).fab) for m in (2, 5))
     assert any(line.startswith("M=2 seq:doubling/doubling dropped: qkvg: relative error") for line in lines)
+
+
+def test_autotuner_tunes_one_gemm_over_packed_weights_where_they_are_packed(monkeypatch):
+    """Above 64 tokens the autotuner also times the wgmma tactics for one GEMM over the packed [QKVG; FAB] weight
+    (131 swap-AB CTAs of 48 rows at TP 8) and keeps the fastest as QKVG's tactic at the packed rows; split weights
+    get none."""
+    from kda_backend import autotune
+
+    g = preset("kimi-k3", 8)
+    timed = []
+
+    def time_tactic(weights, role, tactic, m):
+        timed.append((role, m))
+        return 1e-6 if tactic.padded_rows else 2e-6
+
+    monkeypatch.setattr(autotune, "verified", lambda weights, role, cands, ms, progress: cands)
+    monkeypatch.setattr(autotune, "time_tactic", time_tactic)
+    lines = []
+    table = autotune._packed_tactic([SimpleNamespace(geometry=g, packed=object())], 128, lines.append)
+    assert table == {("qkvg", g.packed_rows, g.hidden_size, 128): WgmmaTactic(48, 64, 128, 9)}
+    assert {role for role, _ in timed} == {autotune.PACKED} and {m for _, m in timed} == {96, 128}
+    assert lines == [lines[0]] and lines[0].startswith("tactic packed t128 wgmma: w48k64t128s9p M=96 1.00 us")
+    assert autotune._packed_tactic([SimpleNamespace(geometry=g, packed=None)], 128, lines.append) == {}
 
 
 def test_autotuner_checks_and_times_its_candidates_as_tuning_projections(monkeypatch):
