@@ -5,7 +5,8 @@ is served from L2) - see :mod:`kda_backend.timing`:
 
 1. CuTe tactics, per role and tactic bucket (:func:`~kda_backend.kernels.tactics.tactic_bucket`), timed at a
    few M of the bucket and chosen by their worst slowdown at any of them (:func:`most_robust`): the side chain's
-   kernels alone, then QKVG (both kernel families where the device runs ``wgmma``) and the side chain's again
+   kernels alone, then QKVG (both kernel families where the device runs ``wgmma``; above 64 tokens also over the
+   packed ``[QKVG; FAB]`` weight, for a sequential step's one GEMM) and the side chain's again
    inside the overlapped stage, where side chains that tie are told apart by the stage without a fork (see
    :func:`tune_tactics`).
 2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
@@ -279,8 +280,8 @@ def _wgmma_finalists(
     weights, role: str, n: int, k: int, xs: int, bucket: int, progress: Callable[[str], None]
 ) -> list:
     """The :data:`WGMMA_FINALISTS` fastest wgmma tactics for ``role`` (QKVG, or :data:`PACKED`) alone over the
-    bucket's M, fastest first (none where none computes right), and the
-    fastest one that :func:`~kda_backend.kernels.wgmma_gemm.leaves_room` for the side chain. A deep ring over every
+    bucket's M, fastest first (none where none computes right), and the fastest one that
+    :func:`~kda_backend.kernels.wgmma_gemm.leaves_room` for the side chain. A deep ring over every
     SM wins alone and loses in the stage: measured on H200 for Kimi-K3 TP 8, 128 tokens-on-M CTAs of 48 rows with
     12 stages took QKVG alone 1.000-1.048x its floor at M = 17..64, but the stage 2.6-19.6 us longer than QKVG alone,
     with 8 stages 0.4-5.6 us (`benchmarks/results/levers/wgmma-tokens-on-m.log`)."""
