@@ -178,7 +178,7 @@ def test_a_lucky_first_stage_timing_does_not_decide(monkeypatch):
 
 def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkeypatch):
     """On SM 9.x the wgmma QKVG candidates are timed alone; above 64 tokens (no CuTe side chain) the fastest alone
-    is kept, at 32 tokens the finalists (the fastest alone, and the fastest whose ring leaves the side chain room)
+    is kept, for QKVG and for one GEMM over the packed weight, at 32 tokens the finalists (the fastest alone, and the fastest whose ring leaves the side chain room)
     are timed in the overlapped stage beside F_A/beta with the mma.sync ones."""
     staged = []
 
@@ -195,10 +195,14 @@ def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkey
     monkeypatch.setattr(autotune, "tactic_error", lambda weights, role, tactic, m: None)
     monkeypatch.setattr(autotune, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
-    weights = [types.SimpleNamespace(geometry=TP8, device=torch.device("cpu"))]
+    weights = [types.SimpleNamespace(geometry=TP8, device=torch.device("cpu"), packed=object())]
     table = autotune.tune_tactics(TP8, weights, [32, 128])
     large = table[("qkvg", TP8.qkvg_rows, TP8.hidden_size, 128)]
     assert isinstance(large, WgmmaTactic) and large.block_n == 128 and large.block_t == 128
+    # Above 64 tokens also one GEMM over the packed weight (a sequential step's packed form), below it none.
+    packed = table[("qkvg", TP8.packed_rows, TP8.hidden_size, 128)]
+    assert isinstance(packed, WgmmaTactic) and packed.block_n == 128
+    assert ("qkvg", TP8.packed_rows, TP8.hidden_size, 32) not in table
     assert ("fab", TP8.fab_rows, TP8.hidden_size, 128) not in table  # the side chain is not CuTe's above 64
     in_stage = {t for t in staged if isinstance(t, WgmmaTactic)}
     fastest = {t for t in in_stage if t.block_n == 128}
