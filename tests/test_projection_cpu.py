@@ -320,19 +320,24 @@ def test_failing_trailing_side_chain_falls_back_with_one_warning(kda_log):
     assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
 
 
+def _whole_stage_on_cpu(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1):
+    """What a provider's one-launch or fused stage computes, with torch: qkvg, F_A/beta, then F_B from f_a."""
+    torch.mm(x, w_qkvg.t(), out=qkvg)
+    torch.mm(x, w_fab.t(), out=fab)
+    torch.mm(fab[:, : w_fb.shape[1]], w_fb.t(), out=g1)
+
+
 class _WholeStage(_Trailer):
     """A trailing provider that also launches the whole stage at once (torch on the CPU)."""
 
     name = "whole"
 
     def stage_launcher(self, calls):
-        def whole(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1):
+        def whole(*operands):
             self.calls.append("whole")
             if self.fail:
                 raise RuntimeError("stage broke")
-            torch.mm(x, w_qkvg.t(), out=qkvg)
-            torch.mm(x, w_fab.t(), out=fab)
-            torch.mm(fab[:, : w_fb.shape[1]], w_fb.t(), out=g1)
+            _whole_stage_on_cpu(*operands)
 
         return whole
 
@@ -370,13 +375,11 @@ class _Fuser(_Trailer):
     def fused_launcher(self, calls):
         self.calls.append(f"built at M={calls['qkvg'].m}")
 
-        def fused(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1):
+        def fused(*operands):
             self.calls.append("fused")
             if self.fail:
                 raise RuntimeError("fused broke")
-            torch.mm(x, w_qkvg.t(), out=qkvg)
-            torch.mm(x, w_fab.t(), out=fab)
-            torch.mm(fab[:, : w_fb.shape[1]], w_fb.t(), out=g1)
+            _whole_stage_on_cpu(*operands)
 
         return fused
 
