@@ -441,6 +441,16 @@ class WgmmaGemm:
             )
         return (t.block_n, t.block_k), s_w_layout
 
+    def _operands(self, m_w: cute.Tensor, m_x: cute.Tensor):
+        """``(w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma)``: the TMA atoms and
+        coordinate tensors over ``m_w`` and ``m_x``, the ring layouts and the MMA. The tensor maps are encoded per
+        call from the tensors, so x's covers this call's M (rows past it read as 0)."""
+        tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w.element_type)
+        w_box, s_w_box_layout = self._w_boxes(m_w.element_type, s_w_layout)
+        w_tma, w_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_box_layout, w_box)
+        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
+        return w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma
+
     @cute.jit
     def __call__(
         self,
@@ -460,11 +470,7 @@ class WgmmaGemm:
         role), kept for :meth:`~kda_backend.kernels.skinny_gemm.SkinnyGemm.__call__`'s signature."""
         self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
         t = self.tactic
-        tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w.element_type)
-        # The tensor maps are encoded per call from the tensors, so x's covers this call's M (rows past it read as 0).
-        w_box, s_w_box_layout = self._w_boxes(m_w.element_type, s_w_layout)
-        w_tma, w_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_box_layout, w_box)
-        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
+        w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma = self._operands(m_w, m_x)
         # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k).
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
         if cutlass.const_expr(m_work is not None):

@@ -159,27 +159,15 @@ class WgmmaStage:
         the tactic's ``block_t``, the weights (rows, K) and outputs (M, rows) contiguous bf16, ``m_w_fb``
         (fb_rows, d); ``m_chain`` int32 ``[STAGE_COUNTERS]``, zero on entry and left zero on exit."""
         p = self.plan
-        dtype = m_w_qkvg.element_type
-        q_ops = self._operands(self.qkvg, m_w_qkvg, m_x, dtype)
-        f_ops = self._operands(self.fab, m_w_fab, m_x, dtype)
+        q_ops = self.qkvg._operands(m_w_qkvg, m_x)
+        f_ops = self.fab._operands(m_w_fab, m_x)
         m_fa = cute.make_tensor(m_fab.iterator, cute.make_layout((m_fab.shape[0], self.d), stride=(self.fab_rows, 1)))
-        b_ops = self._operands(self.fb, m_w_fb, m_fa, dtype)
+        b_ops = self.fb._operands(m_w_fb, m_fa)
         outs = [cute.make_tensor(o.iterator, cute.select(o.layout, mode=[1, 0])) for o in (m_qkvg, m_fab, m_g1)]
         grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n), 1, 1)
         self.stage_kernel(*q_ops, *f_ops, *b_ops, *outs, m_chain).launch(
             grid=grid, block=[p.qkvg.threads, 1, 1], smem=self.smem_bytes(), stream=stream, use_pdl=p.qkvg.pdl
         )
-
-    @staticmethod
-    def _operands(gemm: WgmmaGemm, m_w, m_x, dtype):
-        """One GEMM's kernel operands: its MMA, ring layouts and TMA atoms over ``m_w`` and ``m_x``."""
-        t = gemm.tactic
-        tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = gemm._operand_layouts(dtype)
-        w_tma, w_src = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_layout, (t.block_n, t.block_k)
-        )
-        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
-        return w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma
 
     @cute.kernel
     def stage_kernel(
