@@ -200,8 +200,6 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True), 136),
     (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
     (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
-    (WgmmaTactic(48, 64, 128, 9, cluster=2), QKVG_TP8 + FAB),
-    (WgmmaTactic(64, 64, 96, 8, cluster=4, pdl=False), QKVG_TP8),
 ]
 
 
@@ -275,21 +273,6 @@ def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
     (136 rows in 48-row blocks) neither."""
     _check(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).for_tokens(m), m, 136, seed=m)
     _check(WgmmaTactic(96, 64, 64, 6, tokens_on_m=True, pdl=False).for_tokens(m), m, QKVG_TP4, seed=m)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 72, 100, 128, 200], ids=lambda m: f"M{m}")
-def test_clusters_share_activation_tiles_by_multicast(m):
-    """CTAs of a cluster each load their share of every activation tile and multicast it into all of theirs: 48-row
-    (padded) and 64-row CTAs in clusters of 2 and 4, token tiles covering M and smaller than M (grid y), and rows
-    past N never stored: 136 rows in three 48-row blocks (the cluster's fourth CTA holds no row) and the packed
-    [QKVG; FAB] weight's 6288 rows in 131."""
-    _check(WgmmaTactic(48, 64, 64, 9, cluster=2).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(48, 64, 64, 9, cluster=4).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(64, 64, 64, 8, cluster=2).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(48, 64, 32, 10, cluster=2), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(48, 64, 64, 9, cluster=2).for_tokens(m), m, 136, seed=m)
-    _check(WgmmaTactic(48, 64, 64, 9, cluster=2).for_tokens(m), m, QKVG_TP8 + FAB, seed=m)
 
 
 @pytest.mark.gpu

@@ -94,8 +94,6 @@ MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
 REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per thread
-CLUSTER_SIZES = (2, 4)  # CTAs sharing each activation tile by TMA multicast (WgmmaTactic.cluster)
-MULTICAST_CANDIDATES_FROM = 65  # tokens from which the candidates include clusters (see multicast_tactics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +116,6 @@ class WgmmaTactic:
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
-    :param cluster: CTAs of neighbouring row blocks in one thread block cluster (swap-AB, unsplit): each loads
-        ``1 / cluster`` of every activation tile, in boxes of 8 tokens, and the TMA unit multicasts it into the
-        ring of every CTA of the cluster, so L2 serves each activation tile once per cluster, not once per CTA.
     """
 
     family: ClassVar[str] = "wgmma"
@@ -132,7 +127,6 @@ class WgmmaTactic:
     split_k: int = 1
     tokens_on_m: bool = False
     pdl: bool = True
-    cluster: int = 1
 
     @property
     def padded_rows(self) -> bool:
@@ -154,11 +148,6 @@ class WgmmaTactic:
     def mma_tokens(self) -> int:
         """Tokens one CTA's MMAs cover: ``block_t``, or with ``tokens_on_m`` whole 64-token atoms."""
         return ATOM_ROWS * self.consumer_warpgroups if self.tokens_on_m else self.block_t
-
-    @property
-    def x_slice_tokens(self) -> int:
-        """Tokens of the 8-token boxes one activation tile splits into, one share per CTA of the cluster."""
-        return BOX_ROWS * self.cluster
 
     @property
     def consumer_threads(self) -> int:
@@ -198,14 +187,9 @@ class WgmmaTactic:
         """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
         return self.split_k, m, n
 
-    def row_ctas(self, n: int) -> int:
-        """CTAs along the rows (grid x): the row blocks, in whole clusters (a CTA past the last row block loads
-        its share of the activations for the cluster and stores nothing)."""
-        return -(-row_blocks(n, self.block_n) // self.cluster) * self.cluster
-
     def ctas(self, n: int, m: int) -> int:
         """CTAs of one launch over ``n`` rows and ``m`` tokens."""
-        return self.row_ctas(n) * -(-m // self.block_t) * self.split_k
+        return output_tiles(self, n, m) * self.split_k
 
     def counters(self, n: int, m: int) -> int:
         """Arrival counters of one split-K launch over ``n`` rows and ``m`` tokens: one per output tile."""
@@ -213,18 +197,13 @@ class WgmmaTactic:
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
-        shared = f"c{self.cluster}" if self.cluster > 1 else ""
         order = "m" if self.tokens_on_m else ""
-        return (f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{shared}{order}"
-                f"{'p' if self.pdl else ''}")
+        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
 
     def for_tokens(self, m: int) -> WgmmaTactic:
         """This tactic with the token tile that runs ``m`` tokens: the smallest covering one (with ``tokens_on_m``
-        ``m`` rounded up to a multiple of 8; in a cluster to one the cluster's CTAs share in whole 8-token boxes)."""
-        if self.tokens_on_m:
-            block_t = min(-(-m // 8) * 8, MAX_TOKENS_ON_M)
-        else:
-            block_t = wgmma_block_t_for(-(-m // self.x_slice_tokens) * self.x_slice_tokens)
+        ``m`` rounded up to a multiple of 8)."""
+        block_t = min(-(-m // 8) * 8, MAX_TOKENS_ON_M) if self.tokens_on_m else wgmma_block_t_for(m)
         return self if block_t == self.block_t else dataclasses.replace(self, block_t=block_t)
 
 
@@ -266,21 +245,6 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         return f"needs {t.smem_bytes()} B of shared memory > {MAX_SMEM_BYTES}"
     if x_row_stride % ELEMS_PER_COPY:
         return f"x row stride {x_row_stride} must be a multiple of {ELEMS_PER_COPY} elements (16 bytes, TMA)"
-    return _validate_cluster(t)
-
-
-def _validate_cluster(t: WgmmaTactic) -> str | None:
-    """Why ``t``'s cluster cannot run, or ``None``."""
-    if t.cluster == 1:
-        return None
-    if t.cluster not in CLUSTER_SIZES:
-        return f"cluster={t.cluster} must be one of {(1, *CLUSTER_SIZES)}"
-    if t.tokens_on_m or t.split_k != 1:
-        return f"cluster={t.cluster}: clusters share activation tiles under unsplit swap-AB only"
-    if t.block_k != 64:
-        return f"block_k={t.block_k}: clusters share 8-token boxes of one 64-element swizzle atom"
-    if t.block_t % t.x_slice_tokens:
-        return f"block_t={t.block_t} must split into {t.cluster} shares of whole 8-token boxes (cluster={t.cluster})"
     return None
 
 
@@ -424,8 +388,7 @@ class WgmmaGemm:
             raise ValueError(f"w row stride {w_row_stride} must be a multiple of {ELEMS_PER_COPY} elements (TMA)")
         self.tactic, self.link = tactic, link
         self.n, self.k = n, k
-        # The last row block holds rows past N, or a whole CTA does (zero-filled, never stored).
-        self.partial = tactic.row_ctas(n) * tactic.block_n > n
+        self.partial = bool(n % tactic.block_n)  # the last row block holds rows past N (zero-filled, never stored)
         self.x_row_stride, self.w_row_stride = x_row_stride, w_row_stride
 
     def _check_roles(self, **operands) -> None:
@@ -464,12 +427,6 @@ class WgmmaGemm:
             s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             x_box, s_x_box_layout = (t.block_t, t.block_k), s_x_layout
-            if cutlass.const_expr(t.cluster > 1):
-                # Shared by the cluster: boxes of 8 tokens, box j of slot s tokens 8j .. 8j + 7 of that slot's tile.
-                x_box = (BOX_ROWS, t.block_k)
-                s_x_box_layout = hopper_helpers.make_smem_layout_b(
-                    LayoutEnum.ROW_MAJOR, (t.mma_rows, BOX_ROWS, t.block_k), dtype, t.stages * t.block_t // BOX_ROWS,
-                )
         return tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout
 
     def _w_boxes(self, dtype, s_w_layout):
@@ -491,9 +448,7 @@ class WgmmaGemm:
         tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w.element_type)
         w_box, s_w_box_layout = self._w_boxes(m_w.element_type, s_w_layout)
         w_tma, w_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_box_layout, w_box)
-        multicast = self.tactic.cluster > 1
-        x_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast else cpasync.CopyBulkTensorTileG2SOp()
-        x_tma, x_src = cpasync.make_tiled_tma_atom(x_op, m_x, s_x_box_layout, x_box)
+        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
         return w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma
 
     @cute.jit
@@ -520,12 +475,11 @@ class WgmmaGemm:
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
         if cutlass.const_expr(m_work is not None):
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
-        grid = (t.row_ctas(self.n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
-        cluster = {"cluster": [t.cluster, 1, 1]} if t.cluster > 1 else {}
+        grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl, **cluster)
+        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -585,16 +539,14 @@ class WgmmaGemm:
         s_x_box = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_box_layout.inner, dtype=dtype),
                                    s_x_box_layout.outer)
 
-        # One arrive per consumer warp of every CTA of the cluster frees a slot (PipelineTmaAsync signals CTA r of
-        # the cluster from each warp's lane r): every CTA's producer writes into every CTA's slot. The activation
-        # boxes of all of them and the CTA's own weight tile complete the slot's transaction count.
+        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane).
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32 * t.cluster),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
             tx_count=t.stage_bytes(),
-            cta_layout_vmnk=cute.make_layout((1, t.cluster, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         return mainloop, s_w, s_x, s_x_box
 
@@ -645,7 +597,7 @@ class WgmmaGemm:
             g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
-        if cutlass.const_expr(t.tokens_on_m or t.cluster > 1):
+        if cutlass.const_expr(t.tokens_on_m):
             g_x = cute.local_tile(x_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (token_tile, None))
@@ -687,10 +639,6 @@ class WgmmaGemm:
             self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
             self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
-        if cutlass.const_expr(t.cluster > 1):
-            # The cluster's consumers free this CTA's slots remotely: it stays until every slot is freed, so no
-            # arrive reaches the shared memory of a CTA that exited.
-            mainloop.producer_tail(state)
 
     def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
@@ -701,18 +649,8 @@ class WgmmaGemm:
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
-        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded), or in a cluster
-        this CTA's share of the tile's 8-token boxes, multicast into the same slot of every CTA of the cluster."""
+        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
         t = self.tactic
-        if cutlass.const_expr(t.cluster > 1):
-            share = t.block_t // t.x_slice_tokens  # boxes per CTA
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            first_box = token_tile * (t.block_t // BOX_ROWS) + rank * share
-            for j in range(share):
-                box = rank * share + j
-                cute.copy(x_tma, t_gx[None, first_box + j, k], t_sx[None, slot * (t.block_t // BOX_ROWS) + box],
-                          tma_bar_ptr=bar, mcast_mask=cutlass.Int16((1 << t.cluster) - 1), cache_policy=policy)
-            return
         boxes = (t.block_t // BOX_ROWS, t.mma_tokens // BOX_ROWS) if t.tokens_on_m else None
         _load_tile(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy, boxes)
 
@@ -740,8 +678,6 @@ class WgmmaGemm:
             mainloop.consumer_release(release)
             release.advance()
         warpgroup.wait_group(0)
-        if cutlass.const_expr(t.cluster > 1):
-            mainloop.consumer_release(release)  # the last slot too: every producer of the cluster waits for it
         return acc
 
     @cute.jit
