@@ -33,6 +33,7 @@ from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
 from kda_backend.kernels.skinny_gemm import Tactic, candidate_tactics, default_tactic
 from kda_backend.kernels.tactics import (
     SINGLE_TOKEN_BUCKET,
+    LARGE_M_SKINNY_ROLES,
     SKINNY_MAX_M,
     AnyTactic,
     for_m,
@@ -178,7 +179,7 @@ def tune_tactics(
 ) -> TacticTable:
     """The fastest CuTe tactic per (role, N, K, token bucket), in three passes:
 
-    1. the side chain's GEMMs alone;
+    1. the side chain's GEMMs alone (F_B also above 64 tokens, where it follows QKVG in a sequential step);
     2. QKVG inside the overlapped stage, because a tactic that is fastest alone can hold so much shared memory
        that the side chain cannot run beside it. Each QKVG candidate is timed with the F_A/beta from pass 1 and
        with one that fits only in the slots it leaves free (:func:`spare_slot_partner`): which side chain
@@ -200,7 +201,8 @@ def tune_tactics(
     skinny = [b for b in buckets if b <= SKINNY_MAX_M]  # the side chain's kernels serve up to 64 tokens
     for role in ("fab", "fb"):
         n, k, xs = shapes[role]
-        for bucket in skinny:
+        # F_B also above: a sequential step runs it after QKVG (LARGE_M_SKINNY_ROLES), so it is timed alone there.
+        for bucket in buckets if role in LARGE_M_SKINNY_ROLES else skinny:
             ms = BUCKET_MS[bucket]
             cands = _shortlist(candidate_tactics(n, k, ms[-1], xs), default_tactic(n, k, ms[-1]), max_candidates)
             cands = verified(weights, role, cands, ms, progress)
@@ -474,11 +476,14 @@ def fusing_providers(weights: ProjectionWeights, m: int, tactics: TacticTable | 
 
 def step_candidates(m: int, usable: dict[str, tuple[str, ...]], fusing: tuple[str, ...] = ()) -> list[Step]:
     """Overlapped or sequential x provider of QKVG x provider of the side chain. F_B follows the side chain's
-    provider where that one serves it (it reads a strided view not every provider takes), else ``auto``. Then a
-    fused step for each provider in ``fusing`` (overlapped where its fused stage is not taken)."""
+    provider where that one serves it (it reads a strided view not every provider takes), else ``auto``; a
+    provider that serves F_B but not F_A/beta (CuTe above 64 tokens) gets F_B beside each F_A/beta provider too. Then
+    a fused step for each provider in ``fusing`` (overlapped where its fused stage is not taken)."""
+    fb_only = [name for name in usable["fb"] if name not in usable["fab"]]
     return [
-        Step(overlap=overlap, qkvg=main, fab=side, fb=side if side in usable["fb"] else AUTO)
+        Step(overlap=overlap, qkvg=main, fab=side, fb=fb)
         for overlap, main, side in itertools.product((False, True), usable["qkvg"], usable["fab"])
+        for fb in [side if side in usable["fb"] else AUTO, *fb_only]
     ] + [Step(overlap=True, fused=True, qkvg=name, fab=name, fb=name) for name in fusing]
 
 
@@ -557,7 +562,8 @@ MODE_LABELS = {"fused": "fused", "overlap": "ovl", "sequential": "seq"}
 
 
 def _step_label(step: Step) -> str:
-    return f"{MODE_LABELS[step.mode]}:{step.qkvg}/{step.fab}"
+    fb = "" if step.fb in (step.fab, AUTO) else f"/{step.fb}"
+    return f"{MODE_LABELS[step.mode]}:{step.qkvg}/{step.fab}{fb}"
 
 
 def autotune(

@@ -165,6 +165,8 @@ def _call(**kw):
         (dict(m=65, capability=(10, 0)), "M > 64"),  # the wgmma kernel serves Hopper only
         (dict(m=257), "M > 256"),
         (dict(role="fab", n=144, m=65), "M > 64"),  # and QKVG only
+        (dict(role="fb", n=1536, k=128, x_row_stride=144, m=65), "M > 64 without a tuned tactic"),
+        (dict(role="fb", n=1536, k=128, x_row_stride=144, m=257, tuned=Tactic()), "M > 256"),
         (dict(role="fab", n=144, m=32, tuned=WgmmaTactic()), "the wgmma kernel serves qkvg"),
         (dict(n=100), "N=100"),
         (dict(role="fb", n=1536, k=128, x_row_stride=140), "x row stride 140"),
@@ -788,6 +790,20 @@ def test_wgmma_tactic_round_trips_and_runs_each_m_with_its_token_tile():
     assert isinstance(provider.tactic(_call(m=32)), Tactic)
     assert isinstance(provider.tactic(_call(m=48, capability=(10, 0))), Tactic)
     assert isinstance(provider.tactic(_call(role="fab", n=144, m=48)), Tactic)
+
+
+def test_f_b_runs_a_tuned_mma_sync_tactic_above_64_tokens_on_hopper_and_blackwell():
+    """F_B (the side chain's one GEMM a sequential step runs after QKVG) takes a tactic a plan tuned above 64 tokens,
+    in 64-token tiles along grid y; F_A/beta does not, tuned or not."""
+    tuned = Tactic(16, 128, 64, 2, pdl=True)
+    plan = Plan(tactics={("fb", 1536, 128, 128): tuned, ("fab", 144, 7168, 128): Tactic(16, 128, 64, 3, split_k=14)})
+    provider = CuteDslProvider()
+    for capability in ((9, 0), (10, 0), (10, 3)):
+        fb = _call(role="fb", n=1536, k=128, x_row_stride=144, m=96, capability=capability,
+                   tuned=plan.tactic_for("fb", 1536, 128, 96))
+        assert provider.why_not(fb) is None and provider.tactic(fb) == tuned
+        fab = _call(role="fab", n=144, m=96, capability=capability, tuned=plan.tactic_for("fab", 144, 7168, 96))
+        assert provider.why_not(fab) == "M > 64"
 
 
 def test_no_trailing_side_chain_where_qkvg_and_fab_both_count_tiles_in():

@@ -196,17 +196,20 @@ def test_the_fused_stage_without_f_b_computes_the_same_bits():
     assert torch.equal(qkvg, qkvg_alone) and torch.equal(beta, beta_alone)
 
 
+@pytest.mark.parametrize("fb", ["torch", "cute"])
 @pytest.mark.parametrize("m", [72, 128])
-def test_a_sequential_step_with_a_packed_tactic_runs_one_cute_gemm_over_packed_weights(m):
+def test_a_sequential_step_with_a_packed_tactic_runs_one_cute_gemm_over_packed_weights(m, fb):
     """Above 64 tokens a sequential step whose QKVG is CuTe runs one GEMM over [QKVG; FAB] (131 swap-AB CTAs of 48
-    rows at TP 8) and F_B after it; graph replay equals eager, both match the reference."""
+    rows at TP 8) and F_B after it, by cuBLAS or by a tuned mma.sync tactic in 64-token tiles; graph replay equals
+    eager, both match the reference."""
     g = preset("kimi-k3", 8)
     tactics = {("qkvg", rows, g.hidden_size, 128): WgmmaTactic(48, 64, 128, 9) for rows in (g.qkvg_rows,
                                                                                            g.packed_rows)}
-    proj = KDAProjection(_weights(8, packed=True), dataclasses.replace(
-        Plan.uniform(256, Step(False, "cute", "torch", "torch")), tactics=tactics))
-    assert proj._stage_pair(m)[1] is not None
-    _check_replay_equals_eager(m, True, Step(False, "cute", "torch", "torch"), tactics)
+    tactics[("fb", g.local_width, g.head_dim, 128)] = Tactic(16, 128, 64, 2, pdl=True)
+    step = Step(False, "cute", "torch", fb)
+    proj = KDAProjection(_weights(8, packed=True), dataclasses.replace(Plan.uniform(256, step), tactics=tactics))
+    assert proj._stage_pair(m)[1] is not None and proj.provider("fb", m).name == fb
+    _check_replay_equals_eager(m, True, step, tactics)
 
 
 def _check_replay_equals_eager(m, packed, step, tactics=None):

@@ -178,7 +178,7 @@ def test_a_lucky_first_stage_timing_does_not_decide(monkeypatch):
 
 def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkeypatch):
     """On SM 9.x the wgmma QKVG candidates are timed alone; above 64 tokens (no CuTe side chain) the fastest alone
-    is kept, for QKVG and for one GEMM over the packed weight; at 32 tokens the finalists (the fastest alone, and the
+    is kept, for QKVG and for one GEMM over the packed weight (and F_B's mma.sync tactic); at 32 tokens the finalists (the fastest alone, and the
     fastest whose ring leaves the side chain room) are timed in the overlapped stage beside F_A/beta with the mma.sync
     ones."""
     staged = []
@@ -204,7 +204,8 @@ def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkey
     packed = table[("qkvg", TP8.packed_rows, TP8.hidden_size, 128)]
     assert isinstance(packed, WgmmaTactic) and packed.block_n == 128
     assert ("qkvg", TP8.packed_rows, TP8.hidden_size, 32) not in table
-    assert ("fab", TP8.fab_rows, TP8.hidden_size, 128) not in table  # the side chain is not CuTe's above 64
+    assert ("fab", TP8.fab_rows, TP8.hidden_size, 128) not in table  # F_A/beta is not CuTe's above 64
+    assert isinstance(table[("fb", TP8.local_width, TP8.head_dim, 128)], Tactic)  # F_B is, timed alone
     in_stage = {t for t in staged if isinstance(t, WgmmaTactic)}
     fastest = {t for t in in_stage if t.block_n == 128}
     assert len(fastest) == autotune.WGMMA_FINALISTS and not any(leaves_room(t) for t in fastest)

@@ -28,6 +28,10 @@ BUCKETS = (SINGLE_TOKEN_BUCKET, 16, 32, 64, 128, 256)
 SKINNY_MAX_M = 64
 WGMMA_MAX_M = 256
 WGMMA_ROLES = ("qkvg",)  # F_A/beta and F_B are skinny: the split-K mma.sync kernel serves them beside QKVG
+# Side-chain roles the mma.sync kernel also serves above SKINNY_MAX_M (64-token tiles along grid y), with a tactic a
+# plan tuned there: F_B after QKVG in a sequential step, where cuBLAS's launch costs more than F_B's 0.4 MB of
+# weights. F_A/beta is not among them: its 144 rows on few CTAs took 16.6 / 18.1 us at M = 96 / 128 alone on H200.
+LARGE_M_SKINNY_ROLES = ("fb",)
 WGMMA_MAJORS = (9,)
 # Above this M an untuned QKVG call on SM 9.x gets the wgmma kernel's default (measured on H200, Kimi-K3 TP8 QKVG
 # alone: at M = 24..32 mma.sync streams at 87-89 % of copy bandwidth and wgmma at 91-92 %, at M = 64 42 % against
@@ -49,7 +53,7 @@ def wgmma_serves(role: str, capability: tuple[int, int] | None) -> bool:
 
 def max_m(role: str, capability: tuple[int, int] | None) -> int:
     """The most tokens a CuTe kernel serves for ``role`` on ``capability``."""
-    return WGMMA_MAX_M if wgmma_serves(role, capability) else SKINNY_MAX_M
+    return WGMMA_MAX_M if wgmma_serves(role, capability) or role in LARGE_M_SKINNY_ROLES else SKINNY_MAX_M
 
 
 def for_m(tactic: AnyTactic, m: int) -> AnyTactic:
@@ -75,11 +79,14 @@ def validate_any(tactic: AnyTactic, n: int, k: int, x_row_stride: int) -> str | 
 def why_not_for(tactic: AnyTactic, role: str, m: int, capability: tuple[int, int] | None, tuned: bool) -> str | None:
     """Why ``tactic``'s family cannot serve ``role`` at ``m`` tokens on ``capability``, or ``None``. Above
     :data:`SKINNY_MAX_M` the wgmma kernel serves only a tactic a plan tuned there: measured on H200 (Kimi-K3 QKVG
-    alone, TP 8 and 4), its default was 5-23 % slower than cuBLAS at M = 96..256, so untuned calls go to cuBLAS."""
+    alone, TP 8 and 4), its default was 5-23 % slower than cuBLAS at M = 96..256, so untuned calls go to cuBLAS.
+    The mma.sync kernel serves :data:`LARGE_M_SKINNY_ROLES` there likewise, the other roles not at all."""
     if isinstance(tactic, WgmmaTactic):
         if not wgmma_serves(role, capability):
             return f"the wgmma kernel serves {', '.join(WGMMA_ROLES)} on SM {WGMMA_MAJORS}, not {role} on {capability}"
         if m > WGMMA_MAX_M:
             return f"M > {WGMMA_MAX_M}"
         return f"M > {SKINNY_MAX_M} without a tuned wgmma tactic" if m > SKINNY_MAX_M and not tuned else None
-    return f"M > {SKINNY_MAX_M}" if m > SKINNY_MAX_M else None
+    if m > SKINNY_MAX_M and not (tuned and role in LARGE_M_SKINNY_ROLES):
+        return f"M > {SKINNY_MAX_M}" + (" without a tuned tactic" if role in LARGE_M_SKINNY_ROLES else "")
+    return None
