@@ -233,22 +233,27 @@ class KDAProjection:
 
     def _packed(self, m: int, gemms: dict[str, Gemm]) -> PackedStage | None:
         """The packed form of a sequential step over packed weights: one GEMM over ``[QKVG; FAB]`` by QKVG's
-        provider, then F_B. Taken where QKVG and F_A/beta both run on torch (cuBLAS over the packed weight, vLLM's
-        own path), or where the plan tuned QKVG's tactic at the packed rows and QKVG's provider serves it (the
-        autotuner then timed the step in this form); ``None`` otherwise, or where its GEMM cannot be built (one
-        warning: the step runs its GEMMs one after another)."""
-        g, qkvg = self.geometry, gemms["qkvg"].provider
+        provider, then F_B, which reads f_a inside that GEMM's wider output. Taken where QKVG and F_A/beta both run
+        on torch (cuBLAS over the packed weight, vLLM's own path), or where the plan tuned QKVG's tactic at the
+        packed rows and QKVG's provider serves it (the autotuner then timed the step in this form), and F_B's
+        provider serves that row stride; ``None`` otherwise, or where a GEMM cannot be built (one warning: the
+        step runs its GEMMs one after another)."""
+        g, qkvg, fb = self.geometry, gemms["qkvg"].provider, gemms["fb"].provider
         call = dataclasses.replace(self.gemm_call("qkvg", m), n=g.packed_rows,
                                    tuned=self.plan.tactic_for("qkvg", g.packed_rows, g.hidden_size, m))
+        fb_call = dataclasses.replace(self.gemm_call("fb", m), x_row_stride=g.packed_rows)
         if {qkvg.name, gemms["fab"].provider.name} != {"torch"} and (
                 call.tuned is None or dispatch.why_not(qkvg, call) is not None):
             return None
+        if dispatch.why_not(fb, fb_call) is not None:
+            return None
         try:
             qkvg.prepare(call)
-            return PackedStage(Gemm("qkvg", qkvg, qkvg.launcher(call)), gemms["fb"])
+            fb.prepare(fb_call)
+            return PackedStage(Gemm("qkvg", qkvg, qkvg.launcher(call)), Gemm("fb", fb, fb.launcher(fb_call)))
         except Exception as exc:  # a plugin's provider may fail in any way; the step's separate GEMMs serve
-            warn_once(f"packed-{qkvg.name}-{m}", f"packed projection GEMM at M={m} not built by {qkvg.name!r} "
-                      f"({type(exc).__name__}: {exc}); the step runs its GEMMs one after another")
+            warn_once(f"packed-{qkvg.name}-{m}", f"packed projection GEMMs at M={m} not built by {qkvg.name!r} / "
+                      f"{fb.name!r} ({type(exc).__name__}: {exc}); the step runs its GEMMs one after another")
             return None
 
     def _fused(self, m: int) -> FusedStage | None:
