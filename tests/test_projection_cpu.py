@@ -605,6 +605,22 @@ def test_autotuner_never_times_or_keeps_a_step_that_computes_wrongly(monkeypatch
     assert any(line.startswith("M=2 seq:doubling/doubling dropped: qkvg: relative error") for line in lines)
 
 
+@pytest.mark.parametrize("gain,kept", [(1.10, "cute"), (1.015, "torch")], ids=["clear-win", "narrow-win"])
+def test_autotuner_keeps_sequential_cublas_unless_clearly_beaten(monkeypatch, gain, kept):
+    """A step other than sequential cuBLAS (the engines' own eager path) is kept only where it is at least
+    NATIVE_MARGIN faster; a narrower win falls within what one process's timing reads off another's."""
+    from kda_backend import autotune
+    from kda_backend.plan import SEQUENTIAL_TORCH
+
+    monkeypatch.setattr(autotune, "step_candidates", lambda m, usable, fusing: [
+        SEQUENTIAL_TORCH, Step(overlap=False, qkvg="cute", fab="torch", fb="torch")])
+    monkeypatch.setattr(autotune, "step_error", lambda weights, step, m, tactics: None)
+    monkeypatch.setattr(autotune, "time_step", lambda weights, step, m, tactics: (
+        gain * 1e-6 if step == SEQUENTIAL_TORCH else 1e-6))
+    plan, timings = autotune.tune_plan([_weights(TINY)], [96])
+    assert plan.step(96).qkvg == kept and len(timings[96]) == 2
+
+
 def test_autotuner_tunes_one_gemm_over_packed_weights_where_they_are_packed(monkeypatch):
     """Above 64 tokens the autotuner also times the wgmma tactics for one GEMM over the packed [QKVG; FAB] weight
     (131 swap-AB CTAs of 48 rows at TP 8) and keeps the fastest as QKVG's tactic at the packed rows; split weights
