@@ -177,10 +177,10 @@ def test_a_lucky_first_stage_timing_does_not_decide(monkeypatch):
 
 
 def test_wgmma_qkvg_is_tuned_alone_above_64_tokens_and_in_the_stage_below(monkeypatch):
-    """On SM 9.x the wgmma QKVG candidates are timed alone; above 64 tokens (no CuTe side chain) the fastest alone
-    is kept, for QKVG and for one GEMM over the packed weight (and F_B's mma.sync tactic); at 32 tokens the finalists (the fastest alone, and the
-    fastest whose ring leaves the side chain room) are timed in the overlapped stage beside F_A/beta with the mma.sync
-    ones."""
+    """On SM 9.x the wgmma QKVG candidates are timed alone; above 64 tokens (no CuTe F_A/beta) the fastest alone
+    is kept, for QKVG and for one GEMM over the packed weight, and F_B's mma.sync tactic alone; at 32 tokens the
+    finalists (the fastest alone, and the fastest whose ring leaves the side chain room) are timed in the overlapped
+    stage beside F_A/beta with the mma.sync ones."""
     staged = []
 
     def time_step(weights, step, m, tactics):
