@@ -310,10 +310,9 @@ def _packed_tactic(weights: list[ProjectionWeights], bucket: int, progress: Call
     """Where the weights are packed (vLLM's layout), the fastest wgmma tactic alone over the bucket's M for one GEMM
     over the packed ``[QKVG; FAB]`` weight, kept as QKVG's tactic at the packed rows: a sequential step whose QKVG
     provider serves it then runs that one GEMM and F_B after it (:meth:`~kda_backend.projection.KDAProjection.stage`).
-    An estimate, not measured as a stage: at TP 8 M = 72 / 96 one GEMM over the 6288 rows in 131 swap-AB CTAs of 48
-    rows and F_B after it would take about 25.2 / 26.2 us against sequential cuBLAS's 28.4 / 29.0 (QKVG alone on those
-    CTAs 22.40 / 23.38, F_B's dependent launch 2.2-2.5; `benchmarks/results/levers/wgmma-padded-rows.log`,
-    `packed-qkvg-fab-gemm.log`)."""
+    Measured on H200 for Kimi-K3 TP 8 (131 swap-AB CTAs of 48 rows over the 6288 rows), F_B on the mma.sync kernel
+    after it: the step 25.52 / 26.94 / 29.56 us at M = 72 / 96 / 128 against sequential cuBLAS's 28.47 / 28.84 /
+    29.78 (benchmarks/results/h200-large-m/tp8/)."""
     if weights[0].packed is None:
         return {}
     n, k, xs = _role_shapes(weights[0].geometry)[PACKED]

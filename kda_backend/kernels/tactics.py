@@ -2,7 +2,8 @@
 buckets plans tune tactics for, and validation of either family's tactic.
 
 - :class:`~kda_backend.kernels.skinny_gemm.Tactic`: the ``mma.sync`` kernel, every role, SM 9.x and 10.x, up to
-  :data:`SKINNY_MAX_M` tokens. At M <= 16 it streams QKVG at 96-99 % of copy bandwidth on H200.
+  :data:`SKINNY_MAX_M` tokens (F_B up to :data:`WGMMA_MAX_M` with a tuned tactic, :data:`LARGE_M_SKINNY_ROLES`). At
+  M <= 16 it streams QKVG at 96-99 % of copy bandwidth on H200.
 - :class:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic`: the warpgroup-MMA kernel, QKVG on SM 9.x, up to
   :data:`WGMMA_MAX_M` tokens. Where M grows past a few tens of tokens the ``mma.sync`` kernel's register-fed MMAs
   fall behind the weight stream (42 % of copy bandwidth at M = 64 on H200), which ``wgmma`` avoids.
