@@ -570,6 +570,47 @@ def test_a_sequential_step_runs_one_gemm_over_packed_weights_where_the_plan_tune
         assert_close(out, expect, name)
 
 
+class _StridedFb(GemmProvider):
+    """Serves F_B on the CPU, with launchers bound to one activation row stride (as compiled kernels are): records
+    the strides it builds launchers for and refuses any call whose f_a has another. ``packed_ok=False``: it refuses
+    f_a inside the packed GEMM's output."""
+
+    name, priority = "strided-fb", 10
+
+    def __init__(self, packed_ok):
+        self.packed_ok, self.strides = packed_ok, []
+
+    def why_not(self, call):
+        if call.role != "fb":
+            return "serves fb only"
+        return None if self.packed_ok or call.x_row_stride == TINY.fab_rows else "f_a row stride"
+
+    def run(self, role, x, w, out):
+        torch.mm(x, w.t(), out=out)
+
+    def launcher(self, call):
+        self.strides.append(call.x_row_stride)
+
+        def launch(x, w, out):
+            assert x.stride(0) == call.x_row_stride, (x.stride(), call.x_row_stride)
+            self.run(call.role, x, w, out)
+
+        return launch
+
+
+@pytest.mark.parametrize("packed_ok", [True, False], ids=["fb-takes-packed-stride", "fb-refuses-it"])
+def test_the_packed_form_binds_f_b_to_f_a_inside_the_packed_output(packed_ok):
+    """In the packed form F_B reads f_a inside the [M, packed_rows] output: its launcher is built for that row
+    stride, and where F_B's provider refuses it the step runs its GEMMs one after another, with the same outputs."""
+    fb = _StridedFb(packed_ok)
+    register_plugin(_Plugin(fb), fb.name)
+    g = TINY
+    proj = KDAProjection(_weights(g, packed=True), Plan(steps={8: Step(False, "torch", "torch", fb.name)}))
+    _check_against_reference(proj, torch.randn(4, g.hidden_size).bfloat16())
+    assert (proj._stage_pair(4)[1] is not None) == packed_ok
+    assert fb.strides == ([g.fab_rows, g.packed_rows] if packed_ok else [g.fab_rows])
+
+
 class _Doubling(GemmProvider):
     """Serves every GEMM on the CPU and gets it wrong: twice the product."""
 
