@@ -559,7 +559,15 @@ def tune_plan(
         best_time, best = _keep_native_unless_clearly_beaten(results)
         steps[m] = best
         timings[m] = {_step_label(s): t for t, s in results}
-        progress(f"M={m}: {_step_label(best)} {best_time * 1e6:.2f} us")
+        fastest_time, fastest = min(results, key=lambda r: r[0])
+        native = timings[m].get(_step_label(SEQUENTIAL_TORCH))
+        if fastest != best:
+            note = f" (fastest {_step_label(fastest)} {fastest_time * 1e6:.2f} us, within {NATIVE_MARGIN}x)"
+        elif native is not None and best != SEQUENTIAL_TORCH:
+            note = f" (sequential cuBLAS {native * 1e6:.2f} us)"
+        else:
+            note = ""
+        progress(f"M={m}: {_step_label(best)} {best_time * 1e6:.2f} us{note}")
     return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH, tactics=tactics), timings
 
 

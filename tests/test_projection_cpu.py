@@ -658,8 +658,11 @@ def test_autotuner_keeps_sequential_cublas_unless_clearly_beaten(monkeypatch, ga
     monkeypatch.setattr(autotune, "step_error", lambda weights, step, m, tactics: None)
     monkeypatch.setattr(autotune, "time_step", lambda weights, step, m, tactics: (
         gain * 1e-6 if step == SEQUENTIAL_TORCH else 1e-6))
-    plan, timings = autotune.tune_plan([_weights(TINY)], [96])
+    lines = []
+    plan, timings = autotune.tune_plan([_weights(TINY)], [96], progress=lines.append)
     assert plan.step(96).qkvg == kept and len(timings[96]) == 2
+    assert lines[-1] == ("M=96: seq:cute/torch 1.00 us (sequential cuBLAS 1.10 us)" if kept == "cute" else
+                         "M=96: seq:torch/torch 1.01 us (fastest seq:cute/torch 1.00 us, within 1.02x)")
 
 
 def test_autotuner_tunes_one_gemm_over_packed_weights_where_they_are_packed(monkeypatch):
