@@ -571,9 +571,9 @@ def test_a_sequential_step_runs_one_gemm_over_packed_weights_where_the_plan_tune
 
 
 class _StridedFb(GemmProvider):
-    """Serves F_B on the CPU, with launchers bound to one activation row stride (as compiled kernels are): records
-    the strides it builds launchers for and refuses any call whose f_a has another. ``packed_ok=False``: it refuses
-    f_a inside the packed GEMM's output."""
+    """Serves F_B on the CPU with launchers bound to one activation row stride, as compiled kernels are: records the
+    strides it builds launchers for, and each launch checks f_a's stride against its launcher's. ``packed_ok=False``:
+    it refuses f_a inside the packed GEMM's output."""
 
     name, priority = "strided-fb", 10
 
