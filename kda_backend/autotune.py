@@ -556,27 +556,24 @@ def tune_plan(
         if not results:
             raise RuntimeError(f"no projection step computed right at M={m} on this device, sequential cuBLAS "
                                "included; the device or its libraries are at fault")
-        best_time, best = _keep_native_unless_clearly_beaten(results)
+        best_time, best, note = _keep_native_unless_clearly_beaten(results)
         steps[m] = best
         timings[m] = {_step_label(s): t for t, s in results}
-        fastest_time, fastest = min(results, key=lambda r: r[0])
-        native = timings[m].get(_step_label(SEQUENTIAL_TORCH))
-        if fastest != best:
-            note = f" (fastest {_step_label(fastest)} {fastest_time * 1e6:.2f} us, within {NATIVE_MARGIN}x)"
-        elif native is not None and best != SEQUENTIAL_TORCH:
-            note = f" (sequential cuBLAS {native * 1e6:.2f} us)"
-        else:
-            note = ""
         progress(f"M={m}: {_step_label(best)} {best_time * 1e6:.2f} us{note}")
     return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH, tactics=tactics), timings
 
 
-def _keep_native_unless_clearly_beaten(results: list[tuple[float, Step]]) -> tuple[float, Step]:
-    """The fastest ``(seconds, step)``, unless sequential cuBLAS was timed and it is not :data:`NATIVE_MARGIN`
-    times faster than that: then sequential cuBLAS's."""
-    best = min(results, key=lambda r: r[0])
-    native = next((r for r in results if r[1] == SEQUENTIAL_TORCH), None)
-    return native if native is not None and best[0] * NATIVE_MARGIN > native[0] else best
+def _keep_native_unless_clearly_beaten(results: list[tuple[float, Step]]) -> tuple[float, Step, str]:
+    """``(seconds, step, note)``: the fastest step, or sequential cuBLAS where it was timed and the fastest is not
+    :data:`NATIVE_MARGIN` times faster; the note names what the choice was weighed against, for the progress line."""
+    fastest_time, fastest = min(results, key=lambda r: r[0])
+    native = next((t for t, step in results if step == SEQUENTIAL_TORCH), None)
+    if native is None or fastest == SEQUENTIAL_TORCH:
+        return fastest_time, fastest, ""
+    if fastest_time * NATIVE_MARGIN > native:
+        return native, SEQUENTIAL_TORCH, (f" (fastest {_step_label(fastest)} {fastest_time * 1e6:.2f} us, "
+                                          f"within {NATIVE_MARGIN}x)")
+    return fastest_time, fastest, f" (sequential cuBLAS {native * 1e6:.2f} us)"
 
 
 MODE_LABELS = {"fused": "fused", "overlap": "ovl", "sequential": "seq"}

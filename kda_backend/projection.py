@@ -245,7 +245,7 @@ class KDAProjection:
         if {qkvg.name, gemms["fab"].provider.name} != {"torch"} and (
                 call.tuned is None or dispatch.why_not(qkvg, call) is not None):
             return None
-        if dispatch.why_not(fb, fb_call) is not None:
+        if dispatch.why_not(fb, fb_call) is not None:  # e.g. a kernel compiled for one f_a row stride
             return None
         try:
             qkvg.prepare(call)
