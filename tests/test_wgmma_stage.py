@@ -13,7 +13,9 @@ from kda_backend.kernels.wgmma_gemm import RING_OFFSET_BYTES, WgmmaTactic
 from kda_backend.kernels.wgmma_stage import (
     FUSED_MAX_M,
     FUSED_STAGES,
+    PADDED_ROWS_STAGES,
     STAGE_COUNTERS,
+    TOKENS_ON_M_MAX_M,
     WgmmaStage,
     compile_stage,
     fused_stage_tactic,
@@ -29,6 +31,13 @@ def _tactic(m, stages=10):
     return WgmmaTactic(48, 64, 64, stages, tokens_on_m=True).for_tokens(m)
 
 
+def _swap_ab(m):
+    """QKVG's tactic in the fused stage above 64 tokens: swap-AB CTAs of 48 rows, the token tile covering ``m``."""
+    tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
+    assert tactic.padded_rows and tactic.block_n == 48
+    return tactic
+
+
 def test_the_side_chain_takes_the_sms_qkvg_leaves():
     plan = plan_stage(_tactic(48), *SHAPES)
     assert plan.side == 4  # 128 QKVG CTAs of 48 rows on 132 SMs
@@ -36,6 +45,25 @@ def test_the_side_chain_takes_the_sms_qkvg_leaves():
     assert plan.fab.block_t == plan.fb.block_t == plan.qkvg.block_t == 48
     assert plan.fab.stages == 17  # the deepest 40-row ring in an SM's shared memory
     assert WgmmaStage(_tactic(48), *SHAPES).smem_bytes() == RING_OFFSET_BYTES + 17 * plan.fab.slot_bytes()
+
+
+def test_above_64_tokens_the_side_chain_is_swap_ab_with_f_a_resident():
+    plan = plan_stage(_swap_ab(128), *SHAPES)
+    assert plan.side == 4 and plan.fb_resident
+    assert (plan.fab.block_n, plan.fab.padded_rows, plan.fab.block_t) == (40, True, 128)
+    assert plan.fab.stages == 9  # the deepest ring of 40 rows and 128 tokens in an SM's shared memory
+    # F_B's 1536 rows: 6 passes of 64 per side-chain CTA, f_a's [128, 128] tile loaded once beside their W_fb tiles.
+    assert (plan.fb.block_n, plan.fb.block_t, plan.fb.stages, plan.fb_passes) == (64, 128, 2, 6)
+    assert plan.fb_smem_bytes() == (6 * 128 * 64 + 128 * 128 + 64 * 128) * 2
+    assert plan.fb_barriers() == 6
+    stage = WgmmaStage(_swap_ab(128), *SHAPES)
+    assert stage.barriers() == 2 * 9 + 6
+    assert stage.smem_bytes() == RING_OFFSET_BYTES + 9 * plan.fab.slot_bytes()
+
+
+@pytest.mark.parametrize("m", [72, 256])
+def test_the_swap_ab_stage_compiles_for_sm90a(m):
+    assert compile_stage(WgmmaStage(_swap_ab(m), *SHAPES), "sm_90a") is not None
 
 
 def test_shapes_the_one_launch_stage_refuses():
@@ -46,6 +74,10 @@ def test_shapes_the_one_launch_stage_refuses():
                                                               G.hidden_size, G.head_dim)
     assert "F_B's 2 passes of 4 K-tiles need more" in validate_stage(_tactic(48), G.qkvg_rows, 272, G.local_width,
                                                                      G.hidden_size, 256)
+    assert "do not split into 4 shares of 64-row passes" in validate_stage(_swap_ab(96), G.qkvg_rows, G.fab_rows,
+                                                                          1600, G.hidden_size, G.head_dim)
+    assert "F_B's 12 passes of 4 K-tiles need more" in validate_stage(_swap_ab(96), G.qkvg_rows, 272, 3072,
+                                                                       G.hidden_size, 256)
     with pytest.raises(ValueError, match="unsplit tokens_on_m"):
         WgmmaStage(WgmmaTactic(64, 64, 64, 12), *SHAPES)
 
@@ -60,8 +92,15 @@ def test_compiles_through_the_kernel_cache_for_sm90a():
                         132, "sm_90a")
     assert key.qkvg == WgmmaTactic(48, 64, 40, 10, tokens_on_m=True)
     assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 49) == WgmmaTactic(48, 64, 56, 8, tokens_on_m=True)
-    assert FUSED_STAGES[-1][0] == FUSED_MAX_M
+    assert FUSED_STAGES[-1][0] == TOKENS_ON_M_MAX_M and PADDED_ROWS_STAGES[-1][0] == FUSED_MAX_M
+    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 65) == WgmmaTactic(48, 64, 72, PADDED_ROWS_STAGES[0][1])
+    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, FUSED_MAX_M + 1) is None
     assert compile_gemm(key) is not None
+
+
+def test_tp4_has_no_fused_tactic_above_64_tokens():
+    g = preset("kimi-k3", 4)  # 96-row CTAs: a whole 64-row atom and more, no padded-rows tactic
+    assert fused_stage_tactic(g.qkvg_rows, g.hidden_size, 72) is None
 
 
 @pytest.mark.parametrize(("tp", "reason"), [(4, "F_B's 3072 rows do not split into 8 row blocks"), (16, None)])
@@ -85,17 +124,17 @@ def _calls(m, capability=(9, 0), w_row_stride=G.hidden_size, fb_x_row_stride=G.f
             for role, (n, k, xs, ws) in shapes.items()}
 
 
-@pytest.mark.parametrize("m", [1, 17, 64])
-def test_the_cute_provider_fuses_hopper_stages_up_to_64_tokens(m):
+@pytest.mark.parametrize("m", [1, 17, 64, 65, 128, 256])
+def test_the_cute_provider_fuses_hopper_stages_up_to_256_tokens(m):
     assert CuteDslProvider().why_not_fused(_calls(m)) is None
 
 
 @pytest.mark.parametrize(("calls", "reason"), [
-    (_calls(65), "fused stage: M=65 above its token tile"),
+    (_calls(257), "fused stage: M=257 above its token tile"),
     (_calls(16, capability=(10, 0)), "fused stage: compute capability (10, 0) not in SM (9,)"),
     (_calls(16, w_row_stride=G.packed_rows + 8), "fused stage: x and the weights must have contiguous rows"),
     (_calls(16, fb_x_row_stride=G.head_dim), "fused stage: F_B reads F_A from another buffer"),
-], ids=["m-65", "blackwell", "strided-weights", "f_a-elsewhere"])
+], ids=["m-257", "blackwell", "strided-weights", "f_a-elsewhere"])
 def test_the_cute_provider_says_why_it_does_not_fuse(calls, reason):
     assert CuteDslProvider().why_not_fused(calls).startswith(reason)
 
@@ -127,9 +166,10 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("m", [17, 24, 40, 64, 100, 128])
-def test_matches_fp32_and_leaves_its_counters_zero(m):
-    kernel = compile_stage(WgmmaStage(_tactic(m), *SHAPES), "sm_90a")
+@pytest.mark.parametrize(("m", "tactic"), [(m, _tactic) for m in (17, 24, 40, 64, 100, 128)]
+                         + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)])
+def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
+    kernel = compile_stage(WgmmaStage(tactic(m), *SHAPES), "sm_90a")
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
     x, w_qkvg, w_fab, w_fb, outs = _operands(m, seed=m)
     _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain)
@@ -149,9 +189,10 @@ def test_matches_fp32_and_leaves_its_counters_zero(m):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("m", [24, 64, 128])
-def test_graph_replay_with_new_inputs_equals_eager_bitwise(m):
-    kernel = compile_stage(WgmmaStage(_tactic(m), *SHAPES), "sm_90a")
+@pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab),
+                                           (256, _swap_ab)])
+def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
+    kernel = compile_stage(WgmmaStage(tactic(m), *SHAPES), "sm_90a")
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
     x, w_qkvg, w_fab, w_fb, outs = _operands(m, seed=1)
     _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain)  # outside the capture first

@@ -1,14 +1,22 @@
 """The fused stage: the whole projection stage in one Hopper launch, QKVG on most SMs and the side chain (F_A/beta,
-then F_B) on the SMs QKVG leaves free, all as tokens-on-M ``wgmma`` tiles of one grid. No fork and no second
-launch: the same schedule, and the same bits, on every host, eager or in any graph mode.
+then F_B) on the SMs QKVG leaves free, all as ``wgmma`` tiles of one grid. No fork and no second launch: the same
+schedule, and the same bits, on every host, eager or in any graph mode.
+
+Two forms, by QKVG's tactic; either runs every CTA with one consumer warpgroup:
+
+- tokens on the MMA's M side (:attr:`WgmmaTactic.tokens_on_m`), up to 64 tokens: F_B in :data:`FB_PASSES` row
+  blocks of up to 256 rows (the MMA's N), each its own pipeline;
+- swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), up to 256 tokens (the MMA's N): F_B in
+  64-row passes over a resident f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass, and
+  the passes' MMAs run as their tiles land.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
   CTAs of 48 rows). One token tile: M up to the tactic's ``block_t``.
 - Side-chain CTA ``i`` first asks L2 for its W_fb tiles (TMA prefetch), then computes F_A/beta's row block ``i``
   (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's, in the deepest ring an SM holds, so it finishes first),
-  counts it in on ``chain[0]`` (release), waits until every side-chain CTA counted in, then computes
-  :data:`FB_PASSES` row blocks of ``g1 = f_a @ W_fb^T`` for every token: f_a (F_A/beta's first ``d`` columns,
+  counts it in on ``chain[0]`` (release), waits until every side-chain CTA counted in, then computes its share of
+  ``g1 = f_a @ W_fb^T``'s rows for every token: f_a (F_A/beta's first ``d`` columns,
   written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
   beyond F_A/beta's covers F_B.
 - The side-chain CTAs wait only for each other, and they are dispatched before QKVG's, which wait for nothing: the
@@ -24,10 +32,14 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+from cutlass.utils import hopper_helpers
 
+from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_policy
 from kda_backend.kernels.skinny_gemm import MAX_SMEM_BYTES, row_blocks
 from kda_backend.kernels.wgmma_gemm import (
+    ATOM_ROWS,
     MAX_STAGES,
     RING_OFFSET_BYTES,
     SMS,
@@ -46,40 +58,72 @@ from kda_backend.kernels.wgmma_gemm import (
 # and 1.3 us slower at M = 64 on another (qkvg-ring-m48-64-second-h200.log, tuned-ring/autotune.txt); one ring tuned
 # per tactic bucket lost 0.2-0.9 us at M = 40 / 48 (benchmarks/RESULTS.md, levers).
 FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
-# The fused stage serves one token tile of tokens-on-M QKVG, up to 64 tokens: above, its 48-row CTAs alone fall behind
-# (M = 96: 27.9 us against the floor's 20.9) and the fused stage with them (34.3-34.8 us).
-FUSED_MAX_M = 64
+# Tokens-on-M QKVG serves up to 64 tokens: above, its 48-row CTAs need a second consumer warpgroup and fall behind
+# (M = 96: 27.9 us alone against the floor's 20.9; the fused stage with them 34.3-34.8 us). Swap-AB CTAs of the same
+# rows serve above, in the ring PADDED_ROWS_STAGES gives their token tile.
+TOKENS_ON_M_MAX_M = 64
+PADDED_ROWS_STAGES = ((96, 9), (128, 8), (192, 6), (256, 5))  # (largest token tile, slots)
+FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
-FB_PASSES = 2  # F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
+FB_PASSES = 2  # tokens_on_m: F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
 MAX_TILE_ROWS = 256  # tokens_on_m: weight rows are the MMA's N
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
-    """How one stage launch divides the work: the tactics of QKVG, F_A/beta and F_B (all tokens-on-M, one token
-    tile) and the side-chain CTAs."""
+    """How one stage launch divides the work: the tactics of QKVG, F_A/beta and F_B (all of one form and one token
+    tile), the side-chain CTAs and F_B's row blocks per side-chain CTA."""
 
     qkvg: WgmmaTactic
     fab: WgmmaTactic
     fb: WgmmaTactic
     side: int
+    fb_passes: int
+
+    @property
+    def fb_resident(self) -> bool:
+        """Whether F_B runs as 64-row passes over one resident f_a tile (the swap-AB form)."""
+        return not self.qkvg.tokens_on_m
+
+    def fb_smem_bytes(self) -> int:
+        """F_B's shared memory: every pass's ring side by side (tokens on M), or every pass's W_fb tiles, the
+        resident f_a tile and one staged output tile (swap-AB)."""
+        fb = self.fb
+        if not self.fb_resident:
+            return self.fb_passes * fb.stages * fb.slot_bytes()
+        return (self.fb_passes * fb.stages * fb.block_n + fb.stages * fb.block_t) * fb.block_k * 2 + \
+            fb.block_n * fb.block_t * 2
+
+    def fb_barriers(self) -> int:
+        """F_B's mbarriers: a full/empty pair per slot of every pass (tokens on M), or one per pass (swap-AB)."""
+        return self.fb_passes if self.fb_resident else self.fb_passes * 2 * self.fb.stages
 
 
 def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
                sms: int = SMS) -> StagePlan | str:
     """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the fused stage."""
-    if not tactic.tokens_on_m or tactic.split_k != 1:
-        return f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m tactic"
+    if not (tactic.tokens_on_m or tactic.padded_rows) or tactic.split_k != 1:
+        return f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m or padded-rows tactic"
     side = sms - row_blocks(qkvg_rows, tactic.block_n)
     if side < 1:
         return f"QKVG's {row_blocks(qkvg_rows, tactic.block_n)} row blocks leave none of {sms} SMs to the side chain"
     fab_block = -(-fab_rows // (side * 8)) * 8
-    fb_blocks = side * FB_PASSES
-    if fb_rows % fb_blocks or (fb_rows // fb_blocks) % 8 or fb_rows // fb_blocks > MAX_TILE_ROWS:
-        return (f"F_B's {fb_rows} rows do not split into {fb_blocks} row blocks of a multiple of 8 up to "
-                f"{MAX_TILE_ROWS}")
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
+    if tactic.tokens_on_m:
+        passes = FB_PASSES
+        fb_blocks = side * passes
+        if fb_rows % fb_blocks or (fb_rows // fb_blocks) % 8 or fb_rows // fb_blocks > MAX_TILE_ROWS:
+            return (f"F_B's {fb_rows} rows do not split into {fb_blocks} row blocks of a multiple of 8 up to "
+                    f"{MAX_TILE_ROWS}")
+        # F_B's K-tiles all load at once: one ring per pass, each as deep as F_B's K-tiles.
+        fb = dataclasses.replace(tactic, block_n=fb_rows // fb_blocks, stages=d // 64, pdl=False)
+    else:
+        # Swap-AB: F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
+        if fb_rows % (side * ATOM_ROWS):
+            return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
+        passes = fb_rows // (side * ATOM_ROWS)
+        fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t, d // 64, pdl=False)
     # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
     # a QKVG CTA, it finishes well before QKVG and leaves that time to F_B.
@@ -87,23 +131,32 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
-    # F_B's K-tiles all load at once: one ring per pass, each as deep as F_B's K-tiles.
-    fb = dataclasses.replace(tactic, block_n=fb_rows // fb_blocks, stages=d // 64, pdl=False)
-    if FB_PASSES * fb.stages * fb.slot_bytes() > ring:
-        return f"F_B's {FB_PASSES} passes of {fb.stages} K-tiles need more than {ring} bytes of shared memory"
+    found = StagePlan(tactic, fab, fb, side, passes)
+    if found.fb_smem_bytes() > ring:
+        return f"F_B's {passes} passes of {fb.stages} K-tiles need more than {ring} bytes of shared memory"
+    if 2 * max(tactic.stages, fab.stages) + found.fb_barriers() > RING_OFFSET_BYTES // 8:
+        return f"the stage's mbarriers do not fit in {RING_OFFSET_BYTES} bytes"
     reason = (validate_wgmma_tactic(tactic, qkvg_rows, k, k) or validate_wgmma_tactic(fab, fab_rows, k, k)
               or validate_wgmma_tactic(fb, fb_rows, d, fab_rows))
-    return reason or StagePlan(tactic, fab, fb, side)
+    return reason or found
 
 
 def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
-    """QKVG's tactic in the fused stage at ``m`` tokens: :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows`
-    rows per CTA in the ring :data:`FUSED_STAGES` gives its token tile, one token tile; ``None`` above
-    :data:`FUSED_MAX_M` or where 64-element K-tiles do not divide K."""
+    """QKVG's tactic in the fused stage at ``m`` tokens, one token tile covering ``m``:
+    :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows` rows per CTA, tokens on M in the ring
+    :data:`FUSED_STAGES` gives the token tile up to :data:`TOKENS_ON_M_MAX_M` tokens, swap-AB in the ring
+    :data:`PADDED_ROWS_STAGES` gives it above. ``None`` above :data:`FUSED_MAX_M`, where 64-element K-tiles do not
+    divide K, or above :data:`TOKENS_ON_M_MAX_M` where the rows fill a 64-row atom (no padded-rows tactic)."""
+    rows = tokens_on_m_rows(qkvg_rows)
     if m > FUSED_MAX_M or k % 64:
         return None
-    tactic = WgmmaTactic(tokens_on_m_rows(qkvg_rows), 64, 64, 1, tokens_on_m=True).for_tokens(m)
-    stages = next(slots for tile, slots in FUSED_STAGES if tactic.block_t <= tile)
+    if m <= TOKENS_ON_M_MAX_M:
+        tactic, rings = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True).for_tokens(m), FUSED_STAGES
+    elif rows < ATOM_ROWS:
+        tactic, rings = WgmmaTactic(rows, 64, 64, 1).for_tokens(m), PADDED_ROWS_STAGES
+    else:
+        return None
+    stages = next(slots for tile, slots in rings if tactic.block_t <= tile)
     return dataclasses.replace(tactic, stages=stages)
 
 
@@ -133,14 +186,13 @@ class WgmmaStage:
     def smem_bytes(self) -> int:
         """The barrier area, then the largest ring of the three GEMMs (F_B's two passes side by side)."""
         p = self.plan
-        rings = (p.qkvg.stages * p.qkvg.slot_bytes(), p.fab.stages * p.fab.slot_bytes(),
-                 FB_PASSES * p.fb.stages * p.fb.slot_bytes())
+        rings = (p.qkvg.stages * p.qkvg.slot_bytes(), p.fab.stages * p.fab.slot_bytes(), p.fb_smem_bytes())
         return RING_OFFSET_BYTES + max(rings)
 
     def barriers(self) -> int:
         """mbarriers: a full/empty pair per slot of the larger of QKVG's and F_A/beta's rings, then F_B's."""
         p = self.plan
-        return 2 * max(p.qkvg.stages, p.fab.stages) + FB_PASSES * 2 * p.fb.stages
+        return 2 * max(p.qkvg.stages, p.fab.stages) + p.fb_barriers()
 
     @cute.jit
     def __call__(
@@ -205,24 +257,93 @@ class WgmmaStage:
             mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
             self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
                                    None, None, None, f_mma, warp, tidx, bidx, 0, 0)
-            self._wait_for_side_chain(m_chain, tidx)
-            # F_B's passes, each with its own ring and barriers, all loads issued at once.
             fb_barriers = barriers + 2 * max(p.qkvg.stages, p.fab.stages)
-            fb_ring = WgmmaGemm.ring_elems(b_s_w, b_s_x)
-            for j in cutlass.range_constexpr(FB_PASSES):
-                mainloop, s_w, s_x, s_x_box = self.fb._pipeline_on(
-                    fb_barriers + j * 2 * p.fb.stages, ring + j * fb_ring, dtype, b_s_w, b_s_x, b_s_x_box
+            if cutlass.const_expr(p.fb_resident):
+                if tidx == 0:  # made visible by the wait's CTA barrier
+                    for j in cutlass.range_constexpr(p.fb_passes):
+                        cute.arch.mbarrier_init(fb_barriers + j, 1)
+                    cute.arch.mbarrier_init_fence()
+            self._wait_for_side_chain(m_chain, tidx)
+            if cutlass.const_expr(p.fb_resident):
+                self._fb_on_resident_f_a(b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, fb_barriers, ring, m_g1_t,
+                                         warp, tidx, bidx)
+            else:
+                # F_B's passes, each with its own ring and barriers (each pass's pipeline syncs the CTA).
+                fb_ring = WgmmaGemm.ring_elems(b_s_w, b_s_x)
+                for j in cutlass.range_constexpr(FB_PASSES):
+                    mainloop, s_w, s_x, s_x_box = self.fb._pipeline_on(
+                        fb_barriers + j * 2 * p.fb.stages, ring + j * fb_ring, dtype, b_s_w, b_s_x, b_s_x_box
+                    )
+                    self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
+                                          ring + j * fb_ring, m_g1_t, None, None, None, b_mma, warp, tidx,
+                                          bidx * FB_PASSES + j, 0, 0)
+
+    @cute.jit
+    def _fb_on_resident_f_a(self, b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, bars, ring, m_g1_t, warp, tidx,
+                            side_cta):
+        """Swap-AB F_B of side-chain CTA ``side_cta``: ``fb_passes`` row blocks of 64 rows, ``g1 = f_a @ W_fb^T``
+        for every token. The ring holds every pass's W_fb tiles, then f_a's ``[block_t, d]`` tile (loaded once),
+        then one staged output tile. The producer warp issues every load at once, pass ``j``'s on mbarrier
+        ``bars + j`` (pass 0's with f_a's); the consumer warpgroup runs each pass's MMAs once its tiles landed and
+        stores its rows."""
+        p, t = self.plan, self.plan.fb
+        dtype = m_g1_t.element_type
+        k_tiles = t.stages  # F_B's K-tiles (d / block_k)
+        tile_mnk = (ATOM_ROWS, t.block_t, t.block_k)
+        s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, p.fb_passes * k_tiles)
+        s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, k_tiles)
+        w_elems, x_elems = cute.cosize(s_w_layout.outer), cute.cosize(s_x_layout.outer)
+        s_w = cute.make_tensor(cute.recast_ptr(ring, s_w_layout.inner, dtype=dtype), s_w_layout.outer)
+        s_x = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_layout.inner, dtype=dtype), s_x_layout.outer)
+        s_o = cute.make_tensor(ring + w_elems + x_elems,
+                               cute.make_layout((ATOM_ROWS, t.block_t), stride=(1, ATOM_ROWS)))
+        if warp == t.consumer_threads // 32:
+            g_x = cute.local_tile(b_x_src, (t.block_t, t.block_k), (0, None))
+            t_sx, t_gx = cpasync.tma_partition(
+                b_x_tma, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
+            )
+            w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
+            w_bytes = k_tiles * ATOM_ROWS * t.block_k * 2
+            for j in cutlass.range_constexpr(p.fb_passes):
+                g_w = cute.local_tile(b_w_src, (ATOM_ROWS, t.block_k), (side_cta * p.fb_passes + j, None))
+                t_sw, t_gw = cpasync.tma_partition(
+                    b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
                 )
-                self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
-                                      ring + j * fb_ring, m_g1_t, None, None, None, b_mma, warp, tidx,
-                                      bidx * FB_PASSES + j, 0, 0)
+                if tidx == t.consumer_threads:
+                    x_bytes = k_tiles * t.block_t * t.block_k * 2 if j == 0 else 0
+                    cute.arch.mbarrier_arrive_and_expect_tx(bars + j, w_bytes + x_bytes)
+                for kt in cutlass.range_constexpr(k_tiles):
+                    if cutlass.const_expr(j == 0):
+                        cute.copy(b_x_tma, t_gx[None, kt], t_sx[None, kt], tma_bar_ptr=bars, cache_policy=x_policy)
+                    cute.copy(b_w_tma, t_gw[None, kt], t_sw[None, j * k_tiles + kt], tma_bar_ptr=bars + j,
+                              cache_policy=w_policy)
+        else:
+            m_tokens = m_g1_t.shape[1]
+            thr_mma = b_mma.get_slice(tidx)
+            t_ra = b_mma.make_fragment_A(thr_mma.partition_A(s_w))
+            t_rb = b_mma.make_fragment_B(thr_mma.partition_B(s_x))
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(s_o).shape, cutlass.Float32)
+            for j in cutlass.range_constexpr(p.fb_passes):
+                row_block = side_cta * p.fb_passes + j
+                cute.arch.mbarrier_wait(bars + j, 0)
+                acc.fill(0.0)
+                b_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for kt in cutlass.range_constexpr(k_tiles):
+                    for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
+                        cute.gemm(b_mma, acc, t_ra[None, None, kb, j * k_tiles + kt], t_rb[None, None, kb, kt], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                g_o = cute.local_tile(m_g1_t, (ATOM_ROWS, t.block_t), (row_block, 0))
+                c_o = cute.local_tile(cute.make_identity_tensor(m_g1_t.shape), (ATOM_ROWS, t.block_t), (row_block, 0))
+                self.fb._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
 
     def _prefetch_fb_weights(self, b_w_tma, b_w_src, ring, b_s_w, dtype, side_cta):
         """Start reading this side-chain CTA's W_fb tiles into L2 (TMA prefetch), so F_B's loads find them there."""
-        t = self.plan.fb
+        t, passes = self.plan.fb, self.plan.fb_passes
         s_w = cute.make_tensor(cute.recast_ptr(ring, b_s_w.inner, dtype=dtype), b_s_w.outer)
-        for j in range(FB_PASSES):
-            g_w = cute.local_tile(b_w_src, (t.block_n, t.block_k), (side_cta * FB_PASSES + j, None))
+        for j in range(passes):
+            g_w = cute.local_tile(b_w_src, (t.block_n, t.block_k), (side_cta * passes + j, None))
             _, t_gw = cpasync.tma_partition(
                 b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
             )
