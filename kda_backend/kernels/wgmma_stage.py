@@ -7,9 +7,8 @@ Two forms, by QKVG's tactic; either runs every CTA with one consumer warpgroup:
 - tokens on the MMA's M side (:attr:`WgmmaTactic.tokens_on_m`), up to 64 tokens: F_B in :data:`FB_PASSES` row
   blocks of up to 256 rows (the MMA's N), each its own pipeline;
 - swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), up to 256 tokens (the MMA's N): F_B in
-  64-row passes over a resident f_a tile, one mbarrier per pass: every pass's W_fb tiles start loading while the
-  side-chain CTAs wait for each other, f_a's tile once they are past the wait, and each pass's MMAs run as its
-  tiles land.
+  64-row passes over a resident f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass, and
+  the passes' MMAs run as their tiles land.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
@@ -260,20 +259,15 @@ class WgmmaStage:
                                    None, None, None, f_mma, warp, tidx, bidx, 0, 0)
             fb_barriers = barriers + 2 * max(p.qkvg.stages, p.fab.stages)
             if cutlass.const_expr(p.fb_resident):
-                if tidx == 0:  # made visible by the CTA barrier of _publish_fab_tile
+                if tidx == 0:  # made visible by the wait's CTA barrier
                     for j in cutlass.range_constexpr(p.fb_passes):
                         cute.arch.mbarrier_init(fb_barriers + j, 1)
                     cute.arch.mbarrier_init_fence()
-            self._publish_fab_tile()
+            self._wait_for_side_chain(m_chain, tidx)
             if cutlass.const_expr(p.fb_resident):
-                s_w, s_x, s_o = self._resident_f_b_views(ring, dtype)
-                if warp == p.fb.consumer_threads // 32:  # W_fb needs nothing from F_A/beta: load while CTAs wait
-                    self._load_f_b_weights(b_w_tma, b_w_src, s_w, fb_barriers, tidx, bidx)
-                self._await_side_chain(m_chain, tidx)
-                self._f_b_on_resident_f_a(b_x_tma, b_x_src, b_mma, s_w, s_x, s_o, fb_barriers, m_g1_t, warp, tidx,
-                                          bidx)
+                self._fb_on_resident_f_a(b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, fb_barriers, ring, m_g1_t,
+                                         warp, tidx, bidx)
             else:
-                self._await_side_chain(m_chain, tidx)
                 # F_B's passes, each with its own ring and barriers (each pass's pipeline syncs the CTA).
                 fb_ring = WgmmaGemm.ring_elems(b_s_w, b_s_x)
                 for j in cutlass.range_constexpr(FB_PASSES):
@@ -284,53 +278,45 @@ class WgmmaStage:
                                           ring + j * fb_ring, m_g1_t, None, None, None, b_mma, warp, tidx,
                                           bidx * FB_PASSES + j, 0, 0)
 
-    def _resident_f_b_views(self, ring, dtype):
-        """``(s_w, s_x, s_o)``: swap-AB F_B's shared memory: every pass's W_fb tiles (64 rows by ``block_k``, pass
-        ``j``'s K-tiles at slots ``j * k_tiles ..``), then f_a's ``[block_t, d]`` tile as its K-tiles, then one
-        output tile staged on its way out (64 rows by ``block_t`` tokens)."""
+    @cute.jit
+    def _fb_on_resident_f_a(self, b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, bars, ring, m_g1_t, warp, tidx,
+                            side_cta):
+        """Swap-AB F_B of side-chain CTA ``side_cta``: ``fb_passes`` row blocks of 64 rows, ``g1 = f_a @ W_fb^T``
+        for every token. The ring holds every pass's W_fb tiles, then f_a's ``[block_t, d]`` tile (loaded once),
+        then one staged output tile. The producer warp issues every load at once, pass ``j``'s on mbarrier
+        ``bars + j`` (pass 0's with f_a's); the consumer warpgroup runs each pass's MMAs once its tiles landed and
+        stores its rows."""
         p, t = self.plan, self.plan.fb
+        dtype = m_g1_t.element_type
+        k_tiles = t.stages  # F_B's K-tiles (d / block_k)
         tile_mnk = (ATOM_ROWS, t.block_t, t.block_k)
-        s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, p.fb_passes * t.stages)
-        s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
+        s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, p.fb_passes * k_tiles)
+        s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, k_tiles)
         w_elems, x_elems = cute.cosize(s_w_layout.outer), cute.cosize(s_x_layout.outer)
         s_w = cute.make_tensor(cute.recast_ptr(ring, s_w_layout.inner, dtype=dtype), s_w_layout.outer)
         s_x = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_layout.inner, dtype=dtype), s_x_layout.outer)
         s_o = cute.make_tensor(ring + w_elems + x_elems,
                                cute.make_layout((ATOM_ROWS, t.block_t), stride=(1, ATOM_ROWS)))
-        return s_w, s_x, s_o
-
-    @cute.jit
-    def _load_f_b_weights(self, b_w_tma, b_w_src, s_w, bars, tidx, side_cta):
-        """The producer warp: start every pass's W_fb tiles, pass ``j``'s on mbarrier ``bars + j``, whose
-        transaction count also takes f_a's tile for pass 0 (loaded once F_A/beta is complete)."""
-        p, t = self.plan, self.plan.fb
-        w_bytes = t.stages * ATOM_ROWS * t.block_k * 2
-        policy = l2_policy(EVICT_FIRST)
-        for j in cutlass.range_constexpr(p.fb_passes):
-            g_w = cute.local_tile(b_w_src, (ATOM_ROWS, t.block_k), (side_cta * p.fb_passes + j, None))
-            t_sw, t_gw = cpasync.tma_partition(
-                b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
-            )
-            if tidx == t.consumer_threads:
-                x_bytes = t.stages * t.block_t * t.block_k * 2 if j == 0 else 0
-                cute.arch.mbarrier_arrive_and_expect_tx(bars + j, w_bytes + x_bytes)
-            for kt in cutlass.range_constexpr(t.stages):
-                cute.copy(b_w_tma, t_gw[None, kt], t_sw[None, j * t.stages + kt], tma_bar_ptr=bars + j,
-                          cache_policy=policy)
-
-    @cute.jit
-    def _f_b_on_resident_f_a(self, b_x_tma, b_x_src, b_mma, s_w, s_x, s_o, bars, m_g1_t, warp, tidx, side_cta):
-        """Swap-AB F_B of side-chain CTA ``side_cta`` once every F_A/beta tile is stored: the producer warp loads
-        f_a's tile (on pass 0's mbarrier); the consumer warpgroup runs each 64-row pass's MMAs once its tiles landed
-        and stores its rows of ``g1 = f_a @ W_fb^T``."""
-        p, t = self.plan, self.plan.fb
         if warp == t.consumer_threads // 32:
             g_x = cute.local_tile(b_x_src, (t.block_t, t.block_k), (0, None))
             t_sx, t_gx = cpasync.tma_partition(
                 b_x_tma, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
             )
-            for kt in cutlass.range_constexpr(t.stages):
-                cute.copy(b_x_tma, t_gx[None, kt], t_sx[None, kt], tma_bar_ptr=bars, cache_policy=l2_policy(EVICT_LAST))
+            w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
+            w_bytes = k_tiles * ATOM_ROWS * t.block_k * 2
+            for j in cutlass.range_constexpr(p.fb_passes):
+                g_w = cute.local_tile(b_w_src, (ATOM_ROWS, t.block_k), (side_cta * p.fb_passes + j, None))
+                t_sw, t_gw = cpasync.tma_partition(
+                    b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
+                )
+                if tidx == t.consumer_threads:
+                    x_bytes = k_tiles * t.block_t * t.block_k * 2 if j == 0 else 0
+                    cute.arch.mbarrier_arrive_and_expect_tx(bars + j, w_bytes + x_bytes)
+                for kt in cutlass.range_constexpr(k_tiles):
+                    if cutlass.const_expr(j == 0):
+                        cute.copy(b_x_tma, t_gx[None, kt], t_sx[None, kt], tma_bar_ptr=bars, cache_policy=x_policy)
+                    cute.copy(b_w_tma, t_gw[None, kt], t_sw[None, j * k_tiles + kt], tma_bar_ptr=bars + j,
+                              cache_policy=w_policy)
         else:
             m_tokens = m_g1_t.shape[1]
             thr_mma = b_mma.get_slice(tidx)
@@ -343,9 +329,9 @@ class WgmmaStage:
                 acc.fill(0.0)
                 b_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
-                for kt in cutlass.range_constexpr(t.stages):
+                for kt in cutlass.range_constexpr(k_tiles):
                     for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-                        cute.gemm(b_mma, acc, t_ra[None, None, kb, j * t.stages + kt], t_rb[None, None, kb, kt], acc)
+                        cute.gemm(b_mma, acc, t_ra[None, None, kb, j * k_tiles + kt], t_rb[None, None, kb, kt], acc)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 g_o = cute.local_tile(m_g1_t, (ATOM_ROWS, t.block_t), (row_block, 0))
@@ -364,19 +350,16 @@ class WgmmaStage:
             for k in range(self.d // t.block_k):
                 cute.prefetch(b_w_tma, t_gw[None, k])
 
-    def _publish_fab_tile(self) -> None:
-        """The whole CTA: this CTA's F_A/beta stores are visible device-wide (release, before thread 0 counts in)
-        and its generic shared-memory writes are ordered before the TMA writes that reuse the ring."""
+    @cute.jit
+    def _wait_for_side_chain(self, m_chain, tidx):
+        """Count this CTA's F_A/beta tile in and wait for every side-chain CTA's (the whole CTA). Release: each
+        thread's stores are visible device-wide before thread 0 counts in; acquire: thread 0's fence after the
+        wait orders the CTA's later reads, and the async-proxy fences let TMA read what generic stores wrote
+        (the F_A/beta outputs in global memory, the staged tile in the ring)."""
+        side = self.plan.side
         cute.arch.fence_acq_rel_gpu()
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
-
-    @cute.jit
-    def _await_side_chain(self, m_chain, tidx):
-        """Count this CTA's F_A/beta tile in and wait for every side-chain CTA's (the whole CTA, after
-        :meth:`_publish_fab_tile`). Acquire: thread 0's fence after the wait orders the CTA's later reads, and the
-        async-proxy fence lets TMA read what generic stores wrote (the F_A/beta outputs in global memory)."""
-        side = self.plan.side
         if tidx == 0:
             cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
             # Relaxed polls, one fence after.
