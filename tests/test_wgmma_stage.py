@@ -31,11 +31,16 @@ def _tactic(m, stages=10):
     return WgmmaTactic(48, 64, 64, stages, tokens_on_m=True).for_tokens(m)
 
 
-def _swap_ab(m):
-    """QKVG's tactic in the fused stage above 64 tokens: swap-AB CTAs of 48 rows, the token tile covering ``m``."""
-    tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
-    assert tactic.padded_rows and tactic.block_n == 48
-    return tactic
+def _swap_ab(m, stages=5):
+    """A swap-AB QKVG tactic of 48-row CTAs, the token tile covering ``m`` (5 slots fit every tile up to 256)."""
+    return WgmmaTactic(48, 64, 64, stages).for_tokens(m)
+
+
+def test_above_64_tokens_the_fused_stage_takes_swap_ab_qkvg():
+    for m in (65, 80, FUSED_MAX_M):
+        tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
+        assert tactic.padded_rows and tactic.block_n == 48 and tactic.block_t >= m
+        assert validate_stage(tactic, *SHAPES) is None
 
 
 def test_the_side_chain_takes_the_sms_qkvg_leaves():
@@ -48,7 +53,7 @@ def test_the_side_chain_takes_the_sms_qkvg_leaves():
 
 
 def test_above_64_tokens_the_side_chain_is_swap_ab_with_f_a_resident():
-    plan = plan_stage(_swap_ab(128), *SHAPES)
+    plan = plan_stage(_swap_ab(128, stages=8), *SHAPES)
     assert plan.side == 4 and plan.fb_resident
     assert (plan.fab.block_n, plan.fab.padded_rows, plan.fab.block_t) == (40, True, 128)
     assert plan.fab.stages == 9  # the deepest ring of 40 rows and 128 tokens in an SM's shared memory
@@ -56,7 +61,7 @@ def test_above_64_tokens_the_side_chain_is_swap_ab_with_f_a_resident():
     assert (plan.fb.block_n, plan.fb.block_t, plan.fb.stages, plan.fb_passes) == (64, 128, 2, 6)
     assert plan.fb_smem_bytes() == (6 * 128 * 64 + 128 * 128 + 64 * 128) * 2
     assert plan.fb_barriers() == 6
-    stage = WgmmaStage(_swap_ab(128), *SHAPES)
+    stage = WgmmaStage(_swap_ab(128, stages=8), *SHAPES)
     assert stage.barriers() == 2 * 9 + 6
     assert stage.smem_bytes() == RING_OFFSET_BYTES + 9 * plan.fab.slot_bytes()
 
@@ -124,17 +129,17 @@ def _calls(m, capability=(9, 0), w_row_stride=G.hidden_size, fb_x_row_stride=G.f
             for role, (n, k, xs, ws) in shapes.items()}
 
 
-@pytest.mark.parametrize("m", [1, 17, 64, 65, 128, 256])
-def test_the_cute_provider_fuses_hopper_stages_up_to_256_tokens(m):
+@pytest.mark.parametrize("m", [1, 17, 64, 65, 96])
+def test_the_cute_provider_fuses_hopper_stages_up_to_96_tokens(m):
     assert CuteDslProvider().why_not_fused(_calls(m)) is None
 
 
 @pytest.mark.parametrize(("calls", "reason"), [
-    (_calls(257), "fused stage: M=257 above its token tile"),
+    (_calls(97), "fused stage: M=97 above its token tile"),
     (_calls(16, capability=(10, 0)), "fused stage: compute capability (10, 0) not in SM (9,)"),
     (_calls(16, w_row_stride=G.packed_rows + 8), "fused stage: x and the weights must have contiguous rows"),
     (_calls(16, fb_x_row_stride=G.head_dim), "fused stage: F_B reads F_A from another buffer"),
-], ids=["m-257", "blackwell", "strided-weights", "f_a-elsewhere"])
+], ids=["m-97", "blackwell", "strided-weights", "f_a-elsewhere"])
 def test_the_cute_provider_says_why_it_does_not_fuse(calls, reason):
     assert CuteDslProvider().why_not_fused(calls).startswith(reason)
 

@@ -6,9 +6,9 @@ Two forms, by QKVG's tactic; either runs every CTA with one consumer warpgroup:
 
 - tokens on the MMA's M side (:attr:`WgmmaTactic.tokens_on_m`), up to 64 tokens: F_B in :data:`FB_PASSES` row
   blocks of up to 256 rows (the MMA's N), each its own pipeline;
-- swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), up to 256 tokens (the MMA's N): F_B in
-  64-row passes over a resident f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass, and
-  the passes' MMAs run as their tiles land.
+- swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), any token tile up to 256 (the MMA's
+  N), served from 65 to :data:`FUSED_MAX_M` tokens: F_B in 64-row passes over a resident f_a tile: f_a and every
+  pass's W_fb tiles load at once, one mbarrier per pass, and the passes' MMAs run as their tiles land.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
@@ -60,9 +60,13 @@ from kda_backend.kernels.wgmma_gemm import (
 FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # Tokens-on-M QKVG serves up to 64 tokens: above, its 48-row CTAs need a second consumer warpgroup and fall behind
 # (M = 96: 27.9 us alone against the floor's 20.9; the fused stage with them 34.3-34.8 us). Swap-AB CTAs of the same
-# rows serve above, in the ring PADDED_ROWS_STAGES gives their token tile.
+# rows serve above, in the ring PADDED_ROWS_STAGES gives their token tile. Measured on H200 for Kimi-K3 TP 8
+# (qkvg_tactics.py, benchmarks/results/levers/fused-stage-swap-ab/): the stage took 23.41 / 23.65 / 24.40 us at M = 72
+# with 8 / 9 / 10 slots, 25.82 against 26.68 at M = 88 with 7 / 8; a deeper QKVG ring takes HBM from the side chain,
+# whose 40-row CTAs read every token's activations as QKVG's 48-row ones do. Above 96 tokens the side chain falls
+# behind QKVG (M = 128: 32.13-33.50 against QKVG alone 25.93-28.63), where the packed step is faster.
 TOKENS_ON_M_MAX_M = 64
-PADDED_ROWS_STAGES = ((96, 9), (128, 8), (192, 6), (256, 5))  # (largest token tile, slots)
+PADDED_ROWS_STAGES = ((80, 8), (96, 7))  # (largest token tile, slots)
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
 FB_PASSES = 2  # tokens_on_m: F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
