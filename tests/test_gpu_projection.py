@@ -163,36 +163,38 @@ def test_wgmma_qkvg_matches_reference_up_to_256_tokens(tp):
 FUSED_CUTE = Step(overlap=True, qkvg="cute", fab="cute", fb="cute", fused=True)
 
 
-@pytest.mark.parametrize("m", [1, 17, 40, 64])
+@pytest.mark.parametrize("m", [1, 17, 40, 64, 72, 96])
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 def test_graph_replay_equals_eager_bitwise_with_the_fused_stage(m, packed):
-    """The whole stage as one launch (QKVG's tiles and the side chain's on the SMs QKVG leaves), the same launch
-    eager and captured."""
+    """The whole stage as one launch (QKVG's tiles and the side chain's on the SMs QKVG leaves; tokens on M up to 64,
+    swap-AB above), the same launch eager and captured."""
     _check_replay_equals_eager(m, packed, FUSED_CUTE)
 
 
 @pytest.mark.parametrize("tp", [4, 8, 16], ids=lambda t: f"tp{t}")
 def test_the_fused_stage_serves_tp8_and_tp16_and_refuses_tp4(tp):
-    """TP 16's 24-row QKVG CTAs and partial F_A/beta block fuse and match the reference; at TP 4 F_B's 3072 rows do
-    not split into the side chain's 8 tiles, so the step runs overlapped."""
+    """TP 16's 24-row QKVG CTAs and partial F_A/beta block fuse and match the reference, tokens on M and swap-AB; at
+    TP 4 F_B's 3072 rows do not split into the side chain's 8 tiles and its 96-row CTAs have no swap-AB form, so the
+    step runs overlapped."""
     w = _weights(tp, packed=True, seed=tp)
-    proj = KDAProjection(w, Plan.uniform(64, FUSED_CUTE))
-    for m in (1, 24, 64):
+    proj = KDAProjection(w, Plan.uniform(96, FUSED_CUTE))
+    for m in (1, 24, 64, 96):
         x = torch.randn(m, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
         _assert_close_to_reference(proj(x, *projection_outputs(m, w.geometry, "cuda")), x, w)
         assert proj.stage(m).mode == ("overlap" if tp == 4 else "fused")
 
 
-def test_the_fused_stage_without_f_b_computes_the_same_bits():
+@pytest.mark.parametrize("m", [48, 96])
+def test_the_fused_stage_without_f_b_computes_the_same_bits(m):
     """Where the host applies F_B itself, the fused stage still runs (F_B into a scratch buffer): qkvg and beta are
     the bits of a call with F_B."""
     w = _weights(8, packed=True)
-    proj = KDAProjection(w, Plan.uniform(64, FUSED_CUTE))
-    x = torch.randn(48, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
+    proj = KDAProjection(w, Plan.uniform(96, FUSED_CUTE))
+    x = torch.randn(m, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
     qkvg, _, beta = proj(x)
-    fab = torch.full((48, w.geometry.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fab = torch.full((m, w.geometry.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
     qkvg_alone, g1, beta_alone = proj(x, fab_out=fab, compute_fb=False)
-    assert g1 is None and proj.stage(48).mode == "fused"
+    assert g1 is None and proj.stage(m).mode == "fused"
     assert torch.equal(qkvg, qkvg_alone) and torch.equal(beta, beta_alone)
 
 
