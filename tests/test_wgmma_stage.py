@@ -2,6 +2,8 @@
 CPU; on a GPU, against fp32 with outputs poisoned, determinism, its counters left zero, and graph replay against
 eager."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -106,6 +108,10 @@ def test_compiles_through_the_kernel_cache_for_sm90a():
 def test_tp4_has_no_fused_tactic_above_64_tokens():
     g = preset("kimi-k3", 4)  # 96-row CTAs: a whole 64-row atom and more, no padded-rows tactic
     assert fused_stage_tactic(g.qkvg_rows, g.hidden_size, 72) is None
+    calls = {role: dataclasses.replace(call, n=n, x_row_stride=g.fab_rows if role == "fb" else call.x_row_stride)
+             for (role, call), n in zip(_calls(72).items(), (g.qkvg_rows, g.fab_rows, g.local_width))}
+    assert CuteDslProvider().why_not_fused(calls) == (
+        "fused stage: QKVG's 96-row CTAs take tokens on M, up to 64 tokens (no swap-AB form for 64 rows or more)")
 
 
 @pytest.mark.parametrize(("tp", "reason"), [(4, "F_B's 3072 rows do not split into 8 row blocks"), (16, None)])

@@ -53,8 +53,14 @@ from kda_backend.kernels.tactics import (
     validate_any,
     why_not_for,
 )
-from kda_backend.kernels.wgmma_gemm import SMS, WgmmaTactic
-from kda_backend.kernels.wgmma_stage import STAGE_COUNTERS, fused_stage_tactic, validate_stage
+from kda_backend.kernels.wgmma_gemm import ATOM_ROWS, SMS, WgmmaTactic, tokens_on_m_rows
+from kda_backend.kernels.wgmma_stage import (
+    FUSED_MAX_M,
+    STAGE_COUNTERS,
+    TOKENS_ON_M_MAX_M,
+    fused_stage_tactic,
+    validate_stage,
+)
 from kda_backend.log import warn_once
 from kda_backend.providers.base import (
     GemmCall,
@@ -312,6 +318,9 @@ class CuteDslProvider(GemmProvider):
         if fb.x_row_stride != fab.n:
             return "fused stage: F_B reads F_A from another buffer than F_A/beta's output"
         tactic = fused_stage_tactic(q.n, q.k, q.m)
+        if tactic is None and q.m <= FUSED_MAX_M and tokens_on_m_rows(q.n) >= ATOM_ROWS:
+            return (f"fused stage: QKVG's {tokens_on_m_rows(q.n)}-row CTAs take tokens on M, up to "
+                    f"{TOKENS_ON_M_MAX_M} tokens (no swap-AB form for {ATOM_ROWS} rows or more)")
         if tactic is None:
             return f"fused stage: M={q.m} above its token tile"
         return validate_stage(tactic, q.n, fab.n, fb.n, q.k, fb.k, _sms())
