@@ -61,10 +61,11 @@ FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # Tokens-on-M QKVG serves up to 64 tokens: above, its 48-row CTAs need a second consumer warpgroup and fall behind
 # (M = 96: 27.9 us alone against the floor's 20.9; the fused stage with them 34.3-34.8 us). Swap-AB CTAs of the same
 # rows serve above, in the ring PADDED_ROWS_STAGES gives their token tile. Measured on H200 for Kimi-K3 TP 8
-# (qkvg_tactics.py, benchmarks/results/levers/fused-stage-swap-ab/): the stage took 23.41 / 23.65 / 24.40 us at M = 72
-# with 8 / 9 / 10 slots, 25.82 against 26.68 at M = 88 with 7 / 8; a deeper QKVG ring takes HBM from the side chain,
-# whose 40-row CTAs read every token's activations as QKVG's 48-row ones do. Above 96 tokens the side chain falls
-# behind QKVG (M = 128: 32.13-33.50 against QKVG alone 25.93-28.63), where the packed step is faster.
+# (qkvg_tactics.py, benchmarks/results/levers/fused-stage-swap-ab/rings-*.log): the stage took 23.41 / 23.65 / 24.40 us
+# at M = 72 with 8 / 9 / 10 slots, 24.46 / 25.19 at M = 80 with 8 / 7, 25.15 / 25.56 at M = 88 and 25.83 / 26.79 at
+# M = 96 with 7 / 8: a deeper QKVG ring takes HBM from the side chain, whose 40-row CTAs read every token's
+# activations as QKVG's 48-row ones do. Above 96 tokens the side chain falls behind QKVG (M = 128: 32.40-33.97 against
+# QKVG alone 25.75-26.62), where the sequential packed step is faster.
 TOKENS_ON_M_MAX_M = 64
 PADDED_ROWS_STAGES = ((80, 8), (96, 7))  # (largest token tile, slots)
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
