@@ -5,8 +5,8 @@ fp32 (output poisoned with NaN first), QKVG alone in us per layer and as a multi
 weight bytes / copy bandwidth measured in the same process), and the overlapped stage: QKVG on the main stream,
 F_A/beta -> F_B forked onto an aux stream, with the excess over QKVG alone. Per M a line first names the side
 chain's tactics and checks its outputs the same way (either tactic may be of either kernel family). For each
-tokens-on-M wgmma tactic the fused stage with it as QKVG's tactic (``kda_backend.kernels.wgmma_stage``) follows,
-its outputs checked the same way. Times are
+wgmma tactic the fused stage takes (tokens on M, or swap-AB with fewer than 64 rows) the fused stage with it as
+QKVG's tactic (``kda_backend.kernels.wgmma_stage``) follows, its outputs checked the same way. Times are
 medians of 50 replays of a CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool behind
 most lever measurements in benchmarks/RESULTS.md: run it once per build, builds alternated.
 
