@@ -131,7 +131,8 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t, d // 64, pdl=False)
     # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
-    # a QKVG CTA, it finishes well before QKVG and leaves that time to F_B.
+    # a QKVG CTA, it finishes before QKVG and leaves that time to F_B (under swap-AB above 64 tokens only a little
+    # before: there every token's activations are most of what either CTA loads, see PADDED_ROWS_STAGES).
     fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
@@ -189,7 +190,7 @@ class WgmmaStage:
         self.fb = WgmmaGemm(found.fb, fb_rows, d, fab_rows, d)
 
     def smem_bytes(self) -> int:
-        """The barrier area, then the largest ring of the three GEMMs (F_B's two passes side by side)."""
+        """The barrier area, then the largest shared memory of the three GEMMs (:meth:`StagePlan.fb_smem_bytes`)."""
         p = self.plan
         rings = (p.qkvg.stages * p.qkvg.slot_bytes(), p.fab.stages * p.fab.slot_bytes(), p.fb_smem_bytes())
         return RING_OFFSET_BYTES + max(rings)
