@@ -311,8 +311,8 @@ def _packed_tactic(weights: list[ProjectionWeights], bucket: int, progress: Call
     over the packed ``[QKVG; FAB]`` weight, kept as QKVG's tactic at the packed rows: a sequential step whose QKVG
     provider serves it then runs that one GEMM and F_B after it (:meth:`~kda_backend.projection.KDAProjection.stage`).
     Measured on H200 for Kimi-K3 TP 8 (131 swap-AB CTAs of 48 rows over the 6288 rows), F_B on the mma.sync kernel
-    after it: the step 25.52 / 26.94 / 29.56 us at M = 72 / 96 / 128 against sequential cuBLAS's 28.47 / 28.84 /
-    29.78 (benchmarks/results/h200-large-m/tp8/)."""
+    after it: the step 27.17 / 27.74 / 28.49 us at M = 104 / 112 / 120 against sequential cuBLAS's 29.31 / 29.31 /
+    29.89 (benchmarks/results/h200-large-m/tp8/)."""
     if weights[0].packed is None:
         return {}
     n, k, xs = _role_shapes(weights[0].geometry)[PACKED]

@@ -2,8 +2,6 @@
 CPU; on a GPU, against fp32 with outputs poisoned, determinism, its counters left zero, and graph replay against
 eager."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -108,9 +106,7 @@ def test_compiles_through_the_kernel_cache_for_sm90a():
 def test_tp4_has_no_fused_tactic_above_64_tokens():
     g = preset("kimi-k3", 4)  # 96-row CTAs: a whole 64-row atom and more, no padded-rows tactic
     assert fused_stage_tactic(g.qkvg_rows, g.hidden_size, 72) is None
-    calls = {role: dataclasses.replace(call, n=n, x_row_stride=g.fab_rows if role == "fb" else call.x_row_stride)
-             for (role, call), n in zip(_calls(72).items(), (g.qkvg_rows, g.fab_rows, g.local_width))}
-    assert CuteDslProvider().why_not_fused(calls) == (
+    assert CuteDslProvider().why_not_fused(_calls(72, g=g)) == (
         "fused stage: QKVG's 96-row CTAs take tokens on M, up to 64 tokens (no swap-AB form for 64 rows or more)")
 
 
@@ -126,11 +122,13 @@ def test_tp16_fuses_and_tp4_does_not(tp, reason):
         assert compile_stage(WgmmaStage(tactic, *shapes), "sm_90a") is not None
 
 
-def _calls(m, capability=(9, 0), w_row_stride=G.hidden_size, fb_x_row_stride=G.fab_rows):
-    """The three GEMM calls of Kimi-K3 TP 8's stage at ``m`` tokens on a GPU of ``capability``."""
-    shapes = {"qkvg": (G.qkvg_rows, G.hidden_size, G.hidden_size, w_row_stride),
-              "fab": (G.fab_rows, G.hidden_size, G.hidden_size, w_row_stride),
-              "fb": (G.local_width, G.head_dim, fb_x_row_stride, G.head_dim)}
+def _calls(m, capability=(9, 0), w_row_stride=None, fb_x_row_stride=None, g=G):
+    """The three GEMM calls of Kimi-K3's stage in geometry ``g`` (TP 8) at ``m`` tokens on a GPU of ``capability``;
+    contiguous weights and F_B reading F_A/beta's output unless the strides are given."""
+    w_row_stride, fb_x_row_stride = w_row_stride or g.hidden_size, fb_x_row_stride or g.fab_rows
+    shapes = {"qkvg": (g.qkvg_rows, g.hidden_size, g.hidden_size, w_row_stride),
+              "fab": (g.fab_rows, g.hidden_size, g.hidden_size, w_row_stride),
+              "fb": (g.local_width, g.head_dim, fb_x_row_stride, g.head_dim)}
     return {role: GemmCall(role, m, n, k, torch.bfloat16, "cuda", capability, xs, ws)
             for role, (n, k, xs, ws) in shapes.items()}
 

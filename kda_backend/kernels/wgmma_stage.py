@@ -147,21 +147,31 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     return reason or found
 
 
+def why_no_fused_tactic(qkvg_rows: int, k: int, m: int) -> str | None:
+    """Why :func:`fused_stage_tactic` has no QKVG tactic at ``m`` tokens for these shapes, or ``None``."""
+    if k % 64:
+        return f"K={k} does not split into 64-element K-tiles"
+    if m > FUSED_MAX_M:
+        return f"M={m} above its token tile"
+    rows = tokens_on_m_rows(qkvg_rows)
+    if m > TOKENS_ON_M_MAX_M and rows >= ATOM_ROWS:
+        return (f"QKVG's {rows}-row CTAs take tokens on M, up to {TOKENS_ON_M_MAX_M} tokens (no swap-AB form for "
+                f"{ATOM_ROWS} rows or more)")
+    return None
+
+
 def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
     """QKVG's tactic in the fused stage at ``m`` tokens, one token tile covering ``m``:
     :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows` rows per CTA, tokens on M in the ring
     :data:`FUSED_STAGES` gives the token tile up to :data:`TOKENS_ON_M_MAX_M` tokens, swap-AB in the ring
-    :data:`PADDED_ROWS_STAGES` gives it above. ``None`` above :data:`FUSED_MAX_M`, where 64-element K-tiles do not
-    divide K, or above :data:`TOKENS_ON_M_MAX_M` where the rows fill a 64-row atom (no padded-rows tactic)."""
-    rows = tokens_on_m_rows(qkvg_rows)
-    if m > FUSED_MAX_M or k % 64:
+    :data:`PADDED_ROWS_STAGES` gives it above; ``None`` where :func:`why_no_fused_tactic` says why not."""
+    if why_no_fused_tactic(qkvg_rows, k, m) is not None:
         return None
+    rows = tokens_on_m_rows(qkvg_rows)
     if m <= TOKENS_ON_M_MAX_M:
         tactic, rings = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True).for_tokens(m), FUSED_STAGES
-    elif rows < ATOM_ROWS:
-        tactic, rings = WgmmaTactic(rows, 64, 64, 1).for_tokens(m), PADDED_ROWS_STAGES
     else:
-        return None
+        tactic, rings = WgmmaTactic(rows, 64, 64, 1).for_tokens(m), PADDED_ROWS_STAGES
     stages = next(slots for tile, slots in rings if tactic.block_t <= tile)
     return dataclasses.replace(tactic, stages=stages)
 
@@ -311,10 +321,7 @@ class WgmmaStage:
             w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
             w_bytes = k_tiles * ATOM_ROWS * t.block_k * 2
             for j in cutlass.range_constexpr(p.fb_passes):
-                g_w = cute.local_tile(b_w_src, (ATOM_ROWS, t.block_k), (side_cta * p.fb_passes + j, None))
-                t_sw, t_gw = cpasync.tma_partition(
-                    b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
-                )
+                t_sw, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, side_cta, j)
                 if tidx == t.consumer_threads:
                     x_bytes = k_tiles * t.block_t * t.block_k * 2 if j == 0 else 0
                     cute.arch.mbarrier_arrive_and_expect_tx(bars + j, w_bytes + x_bytes)
@@ -344,15 +351,21 @@ class WgmmaStage:
                 c_o = cute.local_tile(cute.make_identity_tensor(m_g1_t.shape), (ATOM_ROWS, t.block_t), (row_block, 0))
                 self.fb._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
 
+    def _fb_weight_tiles(self, b_w_tma, b_w_src, s_w, side_cta, j):
+        """``(t_sw, t_gw)``: the TMA partitions of side-chain CTA ``side_cta``'s F_B row block ``j``: the shared
+        ring's (TMA, slots) and the global tile's (TMA, K-tiles)."""
+        t, passes = self.plan.fb, self.plan.fb_passes
+        g_w = cute.local_tile(b_w_src, (t.block_n, t.block_k), (side_cta * passes + j, None))
+        return cpasync.tma_partition(
+            b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
+        )
+
     def _prefetch_fb_weights(self, b_w_tma, b_w_src, ring, b_s_w, dtype, side_cta):
         """Start reading this side-chain CTA's W_fb tiles into L2 (TMA prefetch), so F_B's loads find them there."""
         t, passes = self.plan.fb, self.plan.fb_passes
         s_w = cute.make_tensor(cute.recast_ptr(ring, b_s_w.inner, dtype=dtype), b_s_w.outer)
         for j in range(passes):
-            g_w = cute.local_tile(b_w_src, (t.block_n, t.block_k), (side_cta * passes + j, None))
-            _, t_gw = cpasync.tma_partition(
-                b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
-            )
+            _, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, side_cta, j)
             for k in range(self.d // t.block_k):
                 cute.prefetch(b_w_tma, t_gw[None, k])
 

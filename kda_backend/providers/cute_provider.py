@@ -53,14 +53,8 @@ from kda_backend.kernels.tactics import (
     validate_any,
     why_not_for,
 )
-from kda_backend.kernels.wgmma_gemm import ATOM_ROWS, SMS, WgmmaTactic, tokens_on_m_rows
-from kda_backend.kernels.wgmma_stage import (
-    FUSED_MAX_M,
-    STAGE_COUNTERS,
-    TOKENS_ON_M_MAX_M,
-    fused_stage_tactic,
-    validate_stage,
-)
+from kda_backend.kernels.wgmma_gemm import SMS, WgmmaTactic
+from kda_backend.kernels.wgmma_stage import STAGE_COUNTERS, fused_stage_tactic, validate_stage, why_no_fused_tactic
 from kda_backend.log import warn_once
 from kda_backend.providers.base import (
     GemmCall,
@@ -317,13 +311,10 @@ class CuteDslProvider(GemmProvider):
             return "fused stage: x and the weights must have contiguous rows of the hidden size (F_B's of D)"
         if fb.x_row_stride != fab.n:
             return "fused stage: F_B reads F_A from another buffer than F_A/beta's output"
-        tactic = fused_stage_tactic(q.n, q.k, q.m)
-        if tactic is None and q.m <= FUSED_MAX_M and tokens_on_m_rows(q.n) >= ATOM_ROWS:
-            return (f"fused stage: QKVG's {tokens_on_m_rows(q.n)}-row CTAs take tokens on M, up to "
-                    f"{TOKENS_ON_M_MAX_M} tokens (no swap-AB form for {ATOM_ROWS} rows or more)")
-        if tactic is None:
-            return f"fused stage: M={q.m} above its token tile"
-        return validate_stage(tactic, q.n, fab.n, fb.n, q.k, fb.k, _sms())
+        reason = why_no_fused_tactic(q.n, q.k, q.m)
+        if reason is not None:
+            return f"fused stage: {reason}"
+        return validate_stage(fused_stage_tactic(q.n, q.k, q.m), q.n, fab.n, fb.n, q.k, fb.k, _sms())
 
     def fused_launcher(self, calls: dict[str, GemmCall]) -> StageLauncher:
         """See :meth:`GemmProvider.fused_launcher`: :class:`~kda_backend.kernels.wgmma_stage.WgmmaStage`, its
