@@ -79,8 +79,8 @@ def test_automatic_selection_prefers_cute_on_hopper_and_blackwell():
     assert proj.provider("qkvg", 4).name == expected
 
 
-def _layers(n, packed):
-    return [_weights(8, packed, seed=100 + i) for i in range(n)]
+def _layers(n, packed, tp=8):
+    return [_weights(tp, packed, seed=100 + i) for i in range(n)]
 
 
 @pytest.mark.parametrize("m", [1, 4, 12, 16, 24, 32])
@@ -171,17 +171,24 @@ def test_graph_replay_equals_eager_bitwise_with_the_fused_stage(m, packed):
     _check_replay_equals_eager(m, packed, FUSED_CUTE)
 
 
+@pytest.mark.parametrize("m", [24, 72, 128])
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_graph_replay_equals_eager_bitwise_with_the_tp4_fused_stage(m, packed):
+    """TP 4's fused stage: 96-row QKVG CTAs with tokens on M, in two consumer warpgroups above 64 tokens, F_B in
+    three passes per side-chain CTA; the same launch eager and captured."""
+    _check_replay_equals_eager(m, packed, FUSED_CUTE, tp=4)
+
+
 @pytest.mark.parametrize("tp", [4, 8, 16], ids=lambda t: f"tp{t}")
-def test_the_fused_stage_serves_tp8_and_tp16_and_refuses_tp4(tp):
-    """TP 16's 24-row QKVG CTAs and partial F_A/beta block fuse and match the reference, tokens on M and swap-AB; at
-    TP 4 F_B's 3072 rows do not split into the side chain's 8 tiles and its 96-row CTAs have no swap-AB form, so the
-    step runs overlapped."""
+def test_the_fused_stage_serves_tp4_tp8_and_tp16(tp):
+    """TP 4's 96-row QKVG CTAs (tokens on M up to 128 tokens), TP 8's 48-row and TP 16's 24-row ones with a partial
+    F_A/beta block (tokens on M, then swap-AB up to 96 tokens) fuse and match the reference."""
     w = _weights(tp, packed=True, seed=tp)
-    proj = KDAProjection(w, Plan.uniform(96, FUSED_CUTE))
-    for m in (1, 24, 64) if tp == 4 else (1, 24, 64, 96):  # TP 4's overlapped fallback has no CuTe QKVG above 64
+    proj = KDAProjection(w, Plan.uniform(128, FUSED_CUTE))
+    for m in (1, 24, 64, 96) + ((128,) if tp == 4 else ()):
         x = torch.randn(m, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
         _assert_close_to_reference(proj(x, *projection_outputs(m, w.geometry, "cuda")), x, w)
-        assert proj.stage(m).mode == ("overlap" if tp == 4 else "fused")
+        assert proj.stage(m).mode == "fused"
 
 
 @pytest.mark.parametrize("m", [48, 96])
@@ -214,8 +221,8 @@ def test_a_sequential_step_with_a_packed_tactic_runs_one_cute_gemm_over_packed_w
     _check_replay_equals_eager(m, True, step, tactics)
 
 
-def _check_replay_equals_eager(m, packed, step, tactics=None):
-    weights = _layers(3, packed)
+def _check_replay_equals_eager(m, packed, step, tactics=None, tp=8):
+    weights = _layers(3, packed, tp)
     plan = dataclasses.replace(Plan.uniform(256, step), tactics=tactics or {})
     projs = [KDAProjection(w, plan) for w in weights]
     for p in projs:

@@ -646,7 +646,7 @@ def test_autotuner_never_times_or_keeps_a_step_that_computes_wrongly(monkeypatch
     assert any(line.startswith("M=2 seq:doubling/doubling dropped: qkvg: relative error") for line in lines)
 
 
-@pytest.mark.parametrize("gain,kept", [(1.10, "cute"), (1.015, "torch")], ids=["clear-win", "narrow-win"])
+@pytest.mark.parametrize("gain,kept", [(1.10, "cute"), (1.04, "torch")], ids=["clear-win", "narrow-win"])
 def test_autotuner_keeps_sequential_cublas_unless_clearly_beaten(monkeypatch, gain, kept):
     """A step other than sequential cuBLAS (the engines' own eager path) is kept only where it is at least
     NATIVE_MARGIN faster; a narrower win falls within what one process's timing reads off another's."""
@@ -662,7 +662,7 @@ def test_autotuner_keeps_sequential_cublas_unless_clearly_beaten(monkeypatch, ga
     plan, timings = autotune.tune_plan([_weights(TINY)], [96], progress=lines.append)
     assert plan.step(96).qkvg == kept and len(timings[96]) == 2
     assert lines[-1] == ("M=96: seq:cute/torch 1.00 us (sequential cuBLAS 1.10 us)" if kept == "cute" else
-                         "M=96: seq:torch/torch 1.01 us (fastest seq:cute/torch 1.00 us, within 1.02x)")
+                         "M=96: seq:torch/torch 1.04 us (fastest seq:cute/torch 1.00 us, within 1.05x)")
 
 
 def test_autotuner_tunes_one_gemm_over_packed_weights_where_they_are_packed(monkeypatch):

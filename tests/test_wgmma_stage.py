@@ -16,6 +16,8 @@ from kda_backend.kernels.wgmma_stage import (
     PADDED_ROWS_STAGES,
     STAGE_COUNTERS,
     TOKENS_ON_M_MAX_M,
+    WIDE_TOKENS_ON_M_MAX_M,
+    WIDE_TOKENS_ON_M_STAGES,
     WgmmaStage,
     compile_stage,
     fused_stage_tactic,
@@ -25,10 +27,17 @@ from kda_backend.kernels.wgmma_stage import (
 
 G = preset("kimi-k3", 8)
 SHAPES = (G.qkvg_rows, G.fab_rows, G.local_width, G.hidden_size, G.head_dim)
+G4 = preset("kimi-k3", 4)
+SHAPES4 = (G4.qkvg_rows, G4.fab_rows, G4.local_width, G4.hidden_size, G4.head_dim)
 
 
 def _tactic(m, stages=10):
     return WgmmaTactic(48, 64, 64, stages, tokens_on_m=True).for_tokens(m)
+
+
+def _tp4(m):
+    """TP 4's fused QKVG tactic at ``m`` tokens: 96-row CTAs, tokens on M."""
+    return fused_stage_tactic(G4.qkvg_rows, G4.hidden_size, m)
 
 
 def _swap_ab(m, stages=5):
@@ -75,10 +84,10 @@ def test_shapes_the_one_launch_stage_refuses():
     assert validate_stage(_tactic(48), *SHAPES) is None
     assert "unsplit tokens_on_m" in validate_stage(WgmmaTactic(64, 64, 64, 12), *SHAPES)
     assert "leave none of 132 SMs" in validate_stage(WgmmaTactic(40, 64, 64, 8, tokens_on_m=True), *SHAPES)
-    assert "do not split into 8 row blocks" in validate_stage(_tactic(48), G.qkvg_rows, G.fab_rows, 1544,
-                                                              G.hidden_size, G.head_dim)
-    assert "F_B's 2 passes of 4 K-tiles need more" in validate_stage(_tactic(48), G.qkvg_rows, 272, G.local_width,
-                                                                     G.hidden_size, 256)
+    assert "F_B's 1544 rows do not split into 4 shares" in validate_stage(_tactic(48), G.qkvg_rows, G.fab_rows, 1544,
+                                                                          G.hidden_size, G.head_dim)
+    assert "F_B's 2 passes of 8 K-tiles need more" in validate_stage(_tactic(48), G.qkvg_rows, 528, G.local_width,
+                                                                     G.hidden_size, 512)
     assert "do not split into 4 shares of 64-row passes" in validate_stage(_swap_ab(96), G.qkvg_rows, G.fab_rows,
                                                                           1600, G.hidden_size, G.head_dim)
     assert "F_B's 12 passes of 4 K-tiles need more" in validate_stage(_swap_ab(96), G.qkvg_rows, 272, 3072,
@@ -103,23 +112,36 @@ def test_compiles_through_the_kernel_cache_for_sm90a():
     assert compile_gemm(key) is not None
 
 
-def test_tp4_has_no_fused_tactic_above_64_tokens():
-    g = preset("kimi-k3", 4)  # 96-row CTAs: a whole 64-row atom and more, no padded-rows tactic
-    assert fused_stage_tactic(g.qkvg_rows, g.hidden_size, 72) is None
-    assert CuteDslProvider().why_not_fused(_calls(72, g=g)) == (
-        "fused stage: QKVG's 96-row CTAs take tokens on M, up to 64 tokens (no swap-AB form for 64 rows or more)")
+def test_tp4_fuses_with_tokens_on_m_up_to_128_tokens():
+    # 96-row CTAs: above 64 tokens two consumer warpgroups of 64 tokens each; no swap-AB form.
+    assert fused_stage_tactic(G4.qkvg_rows, G4.hidden_size, 72) == WgmmaTactic(
+        96, 64, 72, WIDE_TOKENS_ON_M_STAGES[0][1], tokens_on_m=True)
+    assert fused_stage_tactic(G4.qkvg_rows, G4.hidden_size, WIDE_TOKENS_ON_M_MAX_M).consumer_warpgroups == 2
+    assert fused_stage_tactic(G4.qkvg_rows, G4.hidden_size, WIDE_TOKENS_ON_M_MAX_M + 1) is None
+    assert CuteDslProvider().why_not_fused(_calls(128, g=G4)) is None
+    assert CuteDslProvider().why_not_fused(_calls(129, g=G4)) == (
+        "fused stage: QKVG's 96-row CTAs take tokens on M, up to 128 tokens (no swap-AB form for 64 rows or more)")
 
 
-@pytest.mark.parametrize(("tp", "reason"), [(4, "F_B's 3072 rows do not split into 8 row blocks"), (16, None)])
-def test_tp16_fuses_and_tp4_does_not(tp, reason):
-    g = preset("kimi-k3", tp)
+def test_tp4_splits_f_b_into_three_passes_over_one_ring():
+    plan = plan_stage(_tp4(128), *SHAPES4)
+    assert plan.side == 4 and not plan.fb_resident  # 128 QKVG CTAs of 96 rows
+    assert (plan.fab.block_n, plan.fab.block_t, plan.fab.consumer_warpgroups) == (40, 128, 2)
+    # F_B's 3072 rows: 768 per side-chain CTA, 3 passes of 256 rows (the MMA's N), one after another in one ring.
+    assert (plan.fb.block_n, plan.fb.stages, plan.fb_passes) == (256, 2, 3)
+    assert plan.fb_smem_bytes() == 2 * plan.fb.slot_bytes()
+    assert plan.fb_barriers() == 3 * 2 * 2
+
+
+@pytest.mark.parametrize(("g", "m"), [(G4, 24), (G4, 128), (preset("kimi-k3", 16), 24)], ids=["tp4-24", "tp4-128",
+                                                                                             "tp16-24"])
+def test_tp4_and_tp16_stages_compile_for_sm90a(g, m):
     shapes = (g.qkvg_rows, g.fab_rows, g.local_width, g.hidden_size, g.head_dim)
-    tactic = fused_stage_tactic(g.qkvg_rows, g.hidden_size, 24)
-    found = validate_stage(tactic, *shapes)
-    assert found == reason if reason is None else found.startswith(reason)
-    if reason is None:  # 128 QKVG CTAs of 24 rows; F_A/beta's 144 rows in 4 blocks of 40, the last partial
+    tactic = fused_stage_tactic(g.qkvg_rows, g.hidden_size, m)
+    assert validate_stage(tactic, *shapes) is None
+    if g.tp_size == 16:  # 128 QKVG CTAs of 24 rows; F_A/beta's 144 rows in 4 blocks of 40, the last partial
         assert plan_stage(tactic, *shapes).fab.block_n == 40
-        assert compile_stage(WgmmaStage(tactic, *shapes), "sm_90a") is not None
+    assert compile_stage(WgmmaStage(tactic, *shapes), "sm_90a") is not None
 
 
 def _calls(m, capability=(9, 0), w_row_stride=None, fb_x_row_stride=None, g=G):
@@ -134,7 +156,7 @@ def _calls(m, capability=(9, 0), w_row_stride=None, fb_x_row_stride=None, g=G):
 
 
 @pytest.mark.parametrize("m", [1, 17, 64, 65, 96])
-def test_the_cute_provider_fuses_hopper_stages_up_to_96_tokens(m):
+def test_the_cute_provider_fuses_tp8_hopper_stages_up_to_96_tokens(m):
     assert CuteDslProvider().why_not_fused(_calls(m)) is None
 
 
@@ -153,19 +175,26 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
-def _operands(m, seed):
+def _operands(m, seed, g=G):
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
 
-    k = G.hidden_size
+    k = g.hidden_size
     x = randn(m, k)
-    w_qkvg, w_fab = randn(G.qkvg_rows, k, scale=k**-0.5), randn(G.fab_rows, k, scale=k**-0.5)
-    w_fb = randn(G.local_width, G.head_dim, scale=G.head_dim**-0.5)
+    w_qkvg, w_fab = randn(g.qkvg_rows, k, scale=k**-0.5), randn(g.fab_rows, k, scale=k**-0.5)
+    w_fb = randn(g.local_width, g.head_dim, scale=g.head_dim**-0.5)
     outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            for n in (G.qkvg_rows, G.fab_rows, G.local_width)]
+            for n in (g.qkvg_rows, g.fab_rows, g.local_width)]
     return x, w_qkvg, w_fab, w_fb, outs
+
+
+def _stage(tactic, m):
+    """The compiled stage of ``tactic`` at ``m`` tokens, in TP 4's geometry for :func:`_tp4`, else TP 8's; and
+    that geometry."""
+    g, shapes = (G4, SHAPES4) if tactic is _tp4 else (G, SHAPES)
+    return compile_stage(WgmmaStage(tactic(m), *shapes), "sm_90a"), g
 
 
 def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
@@ -176,16 +205,17 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(m, _tactic) for m in (17, 24, 40, 64, 100, 128)]
-                         + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)])
+                         + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)]
+                         + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
-    kernel = compile_stage(WgmmaStage(tactic(m), *SHAPES), "sm_90a")
+    kernel, g = _stage(tactic, m)
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
-    x, w_qkvg, w_fab, w_fb, outs = _operands(m, seed=m)
+    x, w_qkvg, w_fab, w_fb, outs = _operands(m, seed=m, g=g)
     _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain)
     torch.cuda.synchronize()
     qkvg, fab, g1 = outs
     for name, out, ref in (("qkvg", qkvg, x.float() @ w_qkvg.float().t()), ("fab", fab, x.float() @ w_fab.float().t()),
-                           ("g1", g1, fab[:, : G.head_dim].float() @ w_fb.float().t())):
+                           ("g1", g1, fab[:, : g.head_dim].float() @ w_fb.float().t())):
         assert not out.isnan().any(), name
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, f"{name}: relative error {err}"
@@ -199,17 +229,17 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab),
-                                           (256, _swap_ab)])
+                                           (256, _swap_ab), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
-    kernel = compile_stage(WgmmaStage(tactic(m), *SHAPES), "sm_90a")
+    kernel, g = _stage(tactic, m)
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
-    x, w_qkvg, w_fab, w_fb, outs = _operands(m, seed=1)
+    x, w_qkvg, w_fab, w_fb, outs = _operands(m, seed=1, g=g)
     _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain)  # outside the capture first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(3):  # several launches on one stream reuse the counters
             _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain)
-    x.copy_(_operands(m, seed=2)[0])
+    x.copy_(_operands(m, seed=2, g=g)[0])
     for o in outs:
         o.fill_(float("nan"))
     graph.replay()

@@ -1,16 +1,18 @@
-"""QKVG tactics against the default tactic, alone and inside the overlapped projection stage (Kimi-K3, TP8).
+"""QKVG tactics against the default tactic, alone and inside the overlapped projection stage (Kimi-K3, TP 8 or
+``--tp``).
 
-For each M and each QKVG tactic (the default first), prints the tactic's shared memory, its relative error against
-fp32 (output poisoned with NaN first), QKVG alone in us per layer and as a multiple of its own HBM floor (QKVG
-weight bytes / copy bandwidth measured in the same process), and the overlapped stage: QKVG on the main stream,
-F_A/beta -> F_B forked onto an aux stream, with the excess over QKVG alone. Per M a line first names the side
-chain's tactics and checks its outputs the same way (either tactic may be of either kernel family). For each
-wgmma tactic the fused stage takes (tokens on M, or swap-AB with fewer than 64 rows) the fused stage with it as
-QKVG's tactic (``kda_backend.kernels.wgmma_stage``) follows, its outputs checked the same way. Times are
-medians of 50 replays of a CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool behind
-most lever measurements in benchmarks/RESULTS.md: run it once per build, builds alternated.
+For each M, cuBLAS's QKVG alone (``torch.mm``) first; then for each QKVG tactic (the default first), prints the
+tactic's shared memory, its relative error against fp32 (output poisoned with NaN first), QKVG alone in us per layer
+and as a multiple of its own HBM floor (QKVG weight bytes / copy bandwidth measured in the same process), and the
+overlapped stage: QKVG on the main stream, F_A/beta -> F_B forked onto an aux stream, with the excess over QKVG alone.
+Per M a line first names the side chain's tactics and checks its outputs the same way (either tactic may be of either
+kernel family). For each wgmma tactic the fused stage takes (tokens on M, or swap-AB with fewer than 64 rows) the
+fused stage with it as QKVG's tactic (``kda_backend.kernels.wgmma_stage``) follows, its outputs checked the same way.
+Times are medians of 50 replays of a CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool
+behind most lever measurements in benchmarks/RESULTS.md: run it once per build, builds alternated.
 
 Example (GPU): python benchmarks/tools/qkvg_tactics.py 1,8,16 n48k256s4p,n64k256s4p n16k128s3x14p n16k128s3pL
+               python benchmarks/tools/qkvg_tactics.py --tp 4 72,96 w96k64s8mp
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from stage_operands import (
     TACTIC_HELP,
     StageOperands,
-    kimi_k3_tp8,
+    kimi_k3,
     overlapped_time,
     parse_tactic,
     tactic_or_default,
@@ -41,18 +43,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("qkvg", help=f"comma-separated QKVG tactics timed after the default; {TACTIC_HELP}")
     ap.add_argument("fab", nargs="?", help="F_A/beta's tactic in the side chain (default: its default tactic)")
     ap.add_argument("fb", nargs="?", help="F_B's tactic in the side chain (default: its default tactic)")
+    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the Kimi-K3 shapes (default 8)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    g, weights, aux = kimi_k3_tp8()
+    g, weights, aux = kimi_k3(args.tp)
     bandwidth = copy_bandwidth()
     qkvg_floor = weights[0].w_qkvg.numel() * 2 / bandwidth * 1e6
-    print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, QKVG floor {qkvg_floor:.2f} us", flush=True)
+    print(f"TP {args.tp}: copy bandwidth {bandwidth / 1e12:.3f} TB/s, QKVG floor {qkvg_floor:.2f} us", flush=True)
     for m in args.ms:
         t_fab, t_fb = tactic_or_default(args.fab, "fab", g, m), tactic_or_default(args.fb, "fb", g, m)
         ops = StageOperands(weights, m)
+
+        def cublas(i):
+            j = i % ops.copies
+            torch.mm(ops.xs[j], weights[j].w_qkvg.t(), out=ops.qkvg[j])
+
+        alone = graph_time_per_layer(cublas) * 1e6
+        print(f"M={m:2} {'cuBLAS (torch.mm)':20} alone {alone:6.2f} us ({alone / qkvg_floor:.3f}x)", flush=True)
 
         def side(i):
             ops.fab_gemm(t_fab, i)

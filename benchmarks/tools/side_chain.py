@@ -16,7 +16,7 @@ import dataclasses
 from stage_operands import (
     TACTIC_HELP,
     StageOperands,
-    kimi_k3_tp8,
+    kimi_k3,
     overlapped_time,
     parse_tactic,
     tactic_or_default,
@@ -62,7 +62,7 @@ def fab_tactics(spec: str, m: int) -> list[Tactic]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    g, weights, aux = kimi_k3_tp8()
+    g, weights, aux = kimi_k3()
     for m in args.ms:
         ops = StageOperands(weights, m)
         t_qkvg = tactic_or_default(args.qkvg, "qkvg", g, m)

@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from stage_operands import LAYERS, StageOperands, kimi_k3_tp8, overlapped_time, parse_tactic, role_shape, token_counts
+from stage_operands import LAYERS, StageOperands, kimi_k3, overlapped_time, parse_tactic, role_shape, token_counts
 
 from kda_backend.kernels.tactics import tactic_bucket
 from kda_backend.plan import Plan, PlanError, Step, TacticTable
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                         "the kernel's default tactic)")
     args = ap.parse_args(argv)
     stored = stored_tactics(args.plan) if args.plan else {}
-    g, weights, aux = kimi_k3_tp8()
+    g, weights, aux = kimi_k3()
     for m in args.ms:
         tactics = dict(stored)
         for role in ("qkvg", "fab", "fb"):

@@ -64,10 +64,11 @@ def tactic_or_default(spec: str | None, role: str, g: KDAGeometry, m: int) -> An
     return parse_tactic(spec, m) if spec else default_tactic(*role_shape(g, role), m)
 
 
-def kimi_k3_tp8() -> tuple[KDAGeometry, list[ProjectionWeights], torch.cuda.Stream]:
-    """After the CUDA check: Kimi-K3's TP8 geometry, its rotating weight copies and a stream to fork onto."""
+def kimi_k3(tp_size: int = 8) -> tuple[KDAGeometry, list[ProjectionWeights], torch.cuda.Stream]:
+    """After the CUDA check: Kimi-K3's geometry at ``tp_size`` ranks, its rotating weight copies and a stream to fork
+    onto."""
     require_cuda()
-    g = preset("kimi-k3", 8)
+    g = preset("kimi-k3", tp_size)
     return g, make_weight_copies(g, torch.device("cuda")), torch.cuda.Stream()
 
 

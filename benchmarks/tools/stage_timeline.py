@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from stage_operands import LAYERS, TACTIC_HELP, StageOperands, kimi_k3_tp8, tactic_or_default, token_counts
+from stage_operands import LAYERS, TACTIC_HELP, StageOperands, kimi_k3, tactic_or_default, token_counts
 
 from kda_backend.kernels import compile_cache, skinny_gemm
 from kda_backend.kernels.wgmma_gemm import WgmmaTactic
@@ -216,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    g, weights, aux = kimi_k3_tp8()
+    g, weights, aux = kimi_k3()
     module = patched_module()
     for m in args.ms:
         tactics = tuple(tactic_or_default(getattr(args, role), role, g, m) for role in ("qkvg", "fab", "fb"))

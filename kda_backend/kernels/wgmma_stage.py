@@ -2,10 +2,13 @@
 then F_B) on the SMs QKVG leaves free, all as ``wgmma`` tiles of one grid. No fork and no second launch: the same
 schedule, and the same bits, on every host, eager or in any graph mode.
 
-Two forms, by QKVG's tactic; either runs every CTA with one consumer warpgroup:
+Two forms, by QKVG's tactic; F_A/beta and F_B take QKVG's form and token tile, so every CTA runs as many consumer
+warpgroups as QKVG's:
 
-- tokens on the MMA's M side (:attr:`WgmmaTactic.tokens_on_m`), up to 64 tokens: F_B in :data:`FB_PASSES` row
-  blocks of up to 256 rows (the MMA's N), each its own pipeline;
+- tokens on the MMA's M side (:attr:`WgmmaTactic.tokens_on_m`), up to 64 tokens in one consumer warpgroup, or up to
+  :data:`WIDE_TOKENS_ON_M_MAX_M` in two where QKVG's CTAs own 64 rows or more (Kimi-K3 TP 4: 96): F_B in at least
+  :data:`FB_PASSES` row blocks of up to 256 rows (the MMA's N), one after another, each its own pipeline over one
+  shared ring;
 - swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), any token tile up to 256 (the MMA's
   N), served from 65 to :data:`FUSED_MAX_M` tokens: F_B in 64-row passes over a resident f_a tile: f_a and every
   pass's W_fb tiles load at once, one mbarrier per pass, and the passes' MMAs run as their tiles land.
@@ -67,10 +70,19 @@ FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # activations as QKVG's 48-row ones do. Above 96 tokens the side chain falls behind QKVG (M = 128: 32.40-33.97 against
 # QKVG alone 25.75-26.62), where the sequential packed step is faster.
 TOKENS_ON_M_MAX_M = 64
+# QKVG CTAs of 64 rows or more (Kimi-K3 TP 4: 96) take tokens on M in two consumer warpgroups up to 128 tokens: each
+# activation byte feeds twice the rows of TP 8's 48-row CTAs. QKVG alone, H200, TP 4 (qkvg_tactics.py --tp 4,
+# benchmarks/results/levers/fused-stage-tp4/qkvg-alone.log): 42.67 / 43.92 / 46.46 us at M = 72 / 96 / 128 with 7
+# slots (1.02-1.11x its floor), 42.75-44.49 with 6 or 8, against cuBLAS's 45.96 / 45.45 / 45.56 and 49.28 / 50.33 for
+# swap-AB CTAs of 128 rows at M = 72 / 96. The fused stage on H100 (rings-h100.log beside it): 63.72-67.22 us at
+# M = 72..128 with 7 slots, 64.73-67.42 with 6, 67.23-70.91 with 8. On H200 its side chain finishes after QKVG above
+# 64 tokens (47.4-49.8 us at M = 80..128), so the autotuner keeps it only where it wins.
+WIDE_TOKENS_ON_M_STAGES = ((128, 7),)  # (largest token tile, slots)
+WIDE_TOKENS_ON_M_MAX_M = WIDE_TOKENS_ON_M_STAGES[-1][0]
 PADDED_ROWS_STAGES = ((80, 8), (96, 7))  # (largest token tile, slots)
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
-FB_PASSES = 2  # tokens_on_m: F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
+FB_PASSES = 2  # tokens_on_m: the fewest F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
 MAX_TILE_ROWS = 256  # tokens_on_m: weight rows are the MMA's N
 
 
@@ -91,11 +103,11 @@ class StagePlan:
         return not self.qkvg.tokens_on_m
 
     def fb_smem_bytes(self) -> int:
-        """F_B's shared memory: every pass's ring side by side (tokens on M), or every pass's W_fb tiles, the
-        resident f_a tile and one staged output tile (swap-AB)."""
+        """F_B's shared memory: one pass's ring, which the passes take in turn (tokens on M), or every pass's W_fb
+        tiles, the resident f_a tile and one staged output tile (swap-AB)."""
         fb = self.fb
         if not self.fb_resident:
-            return self.fb_passes * fb.stages * fb.slot_bytes()
+            return fb.stages * fb.slot_bytes()
         return (self.fb_passes * fb.stages * fb.block_n + fb.stages * fb.block_t) * fb.block_k * 2 + \
             fb.block_n * fb.block_t * 2
 
@@ -116,13 +128,14 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
     if tactic.tokens_on_m:
-        passes = FB_PASSES
-        fb_blocks = side * passes
-        if fb_rows % fb_blocks or (fb_rows // fb_blocks) % 8 or fb_rows // fb_blocks > MAX_TILE_ROWS:
-            return (f"F_B's {fb_rows} rows do not split into {fb_blocks} row blocks of a multiple of 8 up to "
+        # The fewest passes (at least FB_PASSES) whose row blocks are whole multiples of 8 within the MMA's N.
+        passes = next((n for n in range(FB_PASSES, fb_rows // 8 + 1) if fb_rows % (side * n) == 0
+                       and (fb_rows // (side * n)) % 8 == 0 and fb_rows // (side * n) <= MAX_TILE_ROWS), None)
+        if passes is None:
+            return (f"F_B's {fb_rows} rows do not split into {side} shares of row blocks of a multiple of 8 up to "
                     f"{MAX_TILE_ROWS}")
-        # F_B's K-tiles all load at once: one ring per pass, each as deep as F_B's K-tiles.
-        fb = dataclasses.replace(tactic, block_n=fb_rows // fb_blocks, stages=d // 64, pdl=False)
+        # A pass's K-tiles all load at once: its ring is as deep as F_B's K-tiles.
+        fb = dataclasses.replace(tactic, block_n=fb_rows // (side * passes), stages=d // 64, pdl=False)
     else:
         # Swap-AB: F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
         if fb_rows % (side * ATOM_ROWS):
@@ -151,25 +164,28 @@ def why_no_fused_tactic(qkvg_rows: int, k: int, m: int) -> str | None:
     """Why :func:`fused_stage_tactic` has no QKVG tactic at ``m`` tokens for these shapes, or ``None``."""
     if k % 64:
         return f"K={k} does not split into 64-element K-tiles"
-    if m > FUSED_MAX_M:
-        return f"M={m} above its token tile"
     rows = tokens_on_m_rows(qkvg_rows)
-    if m > TOKENS_ON_M_MAX_M and rows >= ATOM_ROWS:
-        return (f"QKVG's {rows}-row CTAs take tokens on M, up to {TOKENS_ON_M_MAX_M} tokens (no swap-AB form for "
-                f"{ATOM_ROWS} rows or more)")
+    if rows >= ATOM_ROWS and m > WIDE_TOKENS_ON_M_MAX_M:
+        return (f"QKVG's {rows}-row CTAs take tokens on M, up to {WIDE_TOKENS_ON_M_MAX_M} tokens (no swap-AB form "
+                f"for {ATOM_ROWS} rows or more)")
+    if rows < ATOM_ROWS and m > FUSED_MAX_M:
+        return f"M={m} above its token tile"
     return None
 
 
 def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
     """QKVG's tactic in the fused stage at ``m`` tokens, one token tile covering ``m``:
     :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows` rows per CTA, tokens on M in the ring
-    :data:`FUSED_STAGES` gives the token tile up to :data:`TOKENS_ON_M_MAX_M` tokens, swap-AB in the ring
-    :data:`PADDED_ROWS_STAGES` gives it above; ``None`` where :func:`why_no_fused_tactic` says why not."""
+    :data:`FUSED_STAGES` gives the token tile up to :data:`TOKENS_ON_M_MAX_M` tokens; above, tokens on M in the ring
+    :data:`WIDE_TOKENS_ON_M_STAGES` gives it where a CTA owns 64 rows or more, else swap-AB in the ring
+    :data:`PADDED_ROWS_STAGES` gives it; ``None`` where :func:`why_no_fused_tactic` says why not."""
     if why_no_fused_tactic(qkvg_rows, k, m) is not None:
         return None
     rows = tokens_on_m_rows(qkvg_rows)
     if m <= TOKENS_ON_M_MAX_M:
         tactic, rings = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True).for_tokens(m), FUSED_STAGES
+    elif rows >= ATOM_ROWS:
+        tactic, rings = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True).for_tokens(m), WIDE_TOKENS_ON_M_STAGES
     else:
         tactic, rings = WgmmaTactic(rows, 64, 64, 1).for_tokens(m), PADDED_ROWS_STAGES
     stages = next(slots for tile, slots in rings if tactic.block_t <= tile)
@@ -284,15 +300,18 @@ class WgmmaStage:
                 self._fb_on_resident_f_a(b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, fb_barriers, ring, m_g1_t,
                                          warp, tidx, bidx)
             else:
-                # F_B's passes, each with its own ring and barriers (each pass's pipeline syncs the CTA).
-                fb_ring = WgmmaGemm.ring_elems(b_s_w, b_s_x)
-                for j in cutlass.range_constexpr(FB_PASSES):
+                # F_B's passes one after another in one ring, each with its own barriers: each pass's pipeline syncs
+                # the CTA, so the pass before has stored its output tile from the ring by then; the proxy fence
+                # orders those generic reads before the next pass's TMA writes.
+                for j in cutlass.range_constexpr(p.fb_passes):
+                    if cutlass.const_expr(j > 0):
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     mainloop, s_w, s_x, s_x_box = self.fb._pipeline_on(
-                        fb_barriers + j * 2 * p.fb.stages, ring + j * fb_ring, dtype, b_s_w, b_s_x, b_s_x_box
+                        fb_barriers + j * 2 * p.fb.stages, ring, dtype, b_s_w, b_s_x, b_s_x_box
                     )
                     self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
-                                          ring + j * fb_ring, m_g1_t, None, None, None, b_mma, warp, tidx,
-                                          bidx * FB_PASSES + j, 0, 0)
+                                          ring, m_g1_t, None, None, None, b_mma, warp, tidx,
+                                          bidx * p.fb_passes + j, 0, 0)
 
     @cute.jit
     def _fb_on_resident_f_a(self, b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, bars, ring, m_g1_t, warp, tidx,
