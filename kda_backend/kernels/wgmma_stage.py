@@ -128,14 +128,16 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
     if tactic.tokens_on_m:
-        # The fewest passes (at least FB_PASSES) whose row blocks are whole multiples of 8 within the MMA's N.
-        passes = next((n for n in range(FB_PASSES, fb_rows // 8 + 1) if fb_rows % (side * n) == 0
-                       and (fb_rows // (side * n)) % 8 == 0 and fb_rows // (side * n) <= MAX_TILE_ROWS), None)
+        # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
+        # a multiple of 8 within the MMA's N.
+        share = fb_rows // side if fb_rows % side == 0 else 0
+        passes = next((n for n in range(FB_PASSES, share // 8 + 1)
+                       if share % (8 * n) == 0 and share // n <= MAX_TILE_ROWS), None)
         if passes is None:
             return (f"F_B's {fb_rows} rows do not split into {side} shares of row blocks of a multiple of 8 up to "
                     f"{MAX_TILE_ROWS}")
         # A pass's K-tiles all load at once: its ring is as deep as F_B's K-tiles.
-        fb = dataclasses.replace(tactic, block_n=fb_rows // (side * passes), stages=d // 64, pdl=False)
+        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False)
     else:
         # Swap-AB: F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
         if fb_rows % (side * ATOM_ROWS):
@@ -160,17 +162,27 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     return reason or found
 
 
+def _fused_form(rows: int, m: int) -> tuple[bool, tuple[tuple[int, int], ...]]:
+    """``(tokens_on_m, rings)`` of QKVG's fused tactic at ``m`` tokens with ``rows`` per CTA: tokens on M up to
+    :data:`TOKENS_ON_M_MAX_M` tokens; above, tokens on M in two consumer warpgroups where a CTA owns 64 rows or
+    more, else swap-AB. The rings' last token tile is the form's largest M."""
+    if m <= TOKENS_ON_M_MAX_M:
+        return True, FUSED_STAGES
+    return (True, WIDE_TOKENS_ON_M_STAGES) if rows >= ATOM_ROWS else (False, PADDED_ROWS_STAGES)
+
+
 def why_no_fused_tactic(qkvg_rows: int, k: int, m: int) -> str | None:
     """Why :func:`fused_stage_tactic` has no QKVG tactic at ``m`` tokens for these shapes, or ``None``."""
     if k % 64:
         return f"K={k} does not split into 64-element K-tiles"
     rows = tokens_on_m_rows(qkvg_rows)
-    if rows >= ATOM_ROWS and m > WIDE_TOKENS_ON_M_MAX_M:
-        return (f"QKVG's {rows}-row CTAs take tokens on M, up to {WIDE_TOKENS_ON_M_MAX_M} tokens (no swap-AB form "
-                f"for {ATOM_ROWS} rows or more)")
-    if rows < ATOM_ROWS and m > FUSED_MAX_M:
-        return f"M={m} above its token tile"
-    return None
+    tokens_on_m, rings = _fused_form(rows, m)
+    if m <= rings[-1][0]:
+        return None
+    if tokens_on_m:
+        return (f"QKVG's {rows}-row CTAs take tokens on M, up to {rings[-1][0]} tokens (no swap-AB form for "
+                f"{ATOM_ROWS} rows or more)")
+    return f"M={m} above its token tile"
 
 
 def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
@@ -182,12 +194,8 @@ def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
     if why_no_fused_tactic(qkvg_rows, k, m) is not None:
         return None
     rows = tokens_on_m_rows(qkvg_rows)
-    if m <= TOKENS_ON_M_MAX_M:
-        tactic, rings = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True).for_tokens(m), FUSED_STAGES
-    elif rows >= ATOM_ROWS:
-        tactic, rings = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True).for_tokens(m), WIDE_TOKENS_ON_M_STAGES
-    else:
-        tactic, rings = WgmmaTactic(rows, 64, 64, 1).for_tokens(m), PADDED_ROWS_STAGES
+    tokens_on_m, rings = _fused_form(rows, m)
+    tactic = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=tokens_on_m).for_tokens(m)
     stages = next(slots for tile, slots in rings if tactic.block_t <= tile)
     return dataclasses.replace(tactic, stages=stages)
 
