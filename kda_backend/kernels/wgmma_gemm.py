@@ -574,9 +574,8 @@ class WgmmaGemm:
             # x without waiting, see skinny_gemm.Link).
             g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
             c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
-            # The MMAs' (rows, tokens) tile, staged in the drained ring on its way out, in the output's type.
-            s_o = cute.make_tensor(cute.recast_ptr(ring, dtype=m_out_t.element_type),
-                                   cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
+            # The MMAs' (rows, tokens) tile, staged in the drained ring on its way out.
+            s_o = cute.make_tensor(ring, cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
             if cutlass.const_expr(t.split_k > 1):
@@ -710,8 +709,7 @@ class WgmmaGemm:
 
     @cute.jit
     def _store_tile(self, acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx):
-        """Write the accumulator in the output's type (bf16, or fp32 where the output is a K-split's partial, see
-        :mod:`kda_backend.kernels.wgmma_stage`), real rows and tokens only. The fragment holds scattered elements
+        """Write the accumulator as bf16, real rows and tokens only. The fragment holds scattered 2-byte elements
         (neighbouring rows belong to other threads), so it is staged token-major in the drained ring (``s_o``) and
         leaves as 16-byte runs of one token's rows."""
         t = self.tactic
@@ -722,11 +720,10 @@ class WgmmaGemm:
         self._consumers_sync()
         if cutlass.const_expr(t.tokens_on_m or t.padded_rows):
             s_o = cute.local_tile(s_o, (t.block_n, t.block_t), (0, 0))  # the tile's rows and tokens, not the padding
-        elems = COPY_BITS // s_o.element_type.width
-        vec = (elems, 1)
+        vec = (ELEMS_PER_COPY, 1)
         v_s, v_g, v_c = cute.zipped_divide(s_o, vec), cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_o.element_type, num_bits_per_copy=COPY_BITS)
-        vectors = t.block_n * t.block_t // elems
+        vectors = t.block_n * t.block_t // ELEMS_PER_COPY
         for j in cutlass.range_constexpr(-(-vectors // t.consumer_threads)):
             i = j * t.consumer_threads + tidx
             if i < vectors and self._in_bounds(v_c[(0, i)], m_tokens):

@@ -96,12 +96,6 @@ class StagePlan:
     fb: WgmmaTactic
     side: int
     fb_passes: int
-    fab_split: bool = False
-
-    @property
-    def fab_k(self) -> int:
-        """K-tiles of F_A/beta per side-chain CTA, as a fraction of K: ``side`` where :attr:`fab_split`, else 1."""
-        return self.side if self.fab_split else 1
 
     @property
     def fb_resident(self) -> bool:
@@ -154,31 +148,18 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
     # a QKVG CTA, it finishes before QKVG and leaves that time to F_B (under swap-AB above 64 tokens only a little
     # before: there every token's activations are most of what either CTA loads, see PADDED_ROWS_STAGES).
-    fab_split = tactic.tokens_on_m and _fab_splits_along_k(fab_rows, fb_rows, k, side)
-    fab_probe = dataclasses.replace(tactic, block_n=fab_rows if fab_split else fab_block, stages=1)
+    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
-    found = StagePlan(tactic, fab, fb, side, passes, fab_split)
+    found = StagePlan(tactic, fab, fb, side, passes)
     if found.fb_smem_bytes() > ring:
         return f"F_B's {passes} passes of {fb.stages} K-tiles need more than {ring} bytes of shared memory"
     if 2 * max(tactic.stages, fab.stages) + found.fb_barriers() > RING_OFFSET_BYTES // 8:
         return f"the stage's mbarriers do not fit in {RING_OFFSET_BYTES} bytes"
-    reason = (validate_wgmma_tactic(tactic, qkvg_rows, k, k)
-              or validate_wgmma_tactic(fab, fab_rows, k // found.fab_k, k)
+    reason = (validate_wgmma_tactic(tactic, qkvg_rows, k, k) or validate_wgmma_tactic(fab, fab_rows, k, k)
               or validate_wgmma_tactic(fb, fb_rows, d, fab_rows))
     return reason or found
-
-
-def _fab_splits_along_k(fab_rows: int, fb_rows: int, k: int, side: int) -> bool:
-    """Whether F_A/beta runs split along K over the side-chain CTAs (tokens on M): every CTA takes all its rows (the
-    MMA's N) over 1/``side`` of the K-tiles, so each loads every token's activations for that share of K only,
-    writes its fp32 partial into g1's buffer (F_B overwrites it later), and after a wait for the others sums its
-    own 16-byte-aligned share of the rows in split order. Where the rows pass the MMA's N, do not divide into
-    shares of 4 per CTA, the K-tiles into ``side``, or the partials (``side x M x fab_rows`` fp32) overflow g1
-    (``M x fb_rows`` bf16: Kimi-K3 TP 16), each side-chain CTA computes a row block over all of K instead."""
-    return (fab_rows <= MAX_TILE_ROWS and fab_rows % (4 * side) == 0 and (k // 64) % side == 0
-            and side * fab_rows * 4 <= fb_rows * 2)
 
 
 def _fused_form(rows: int, m: int) -> tuple[bool, tuple[tuple[int, int], ...]]:
@@ -238,8 +219,7 @@ class WgmmaStage:
         self.plan = found
         self.k, self.d, self.fab_rows = k, d, fab_rows
         self.qkvg = WgmmaGemm(found.qkvg, qkvg_rows, k, k, k)
-        # Split along K, F_A/beta's GEMM spans one side-chain CTA's share of the K-tiles; CTA i takes share i.
-        self.fab = WgmmaGemm(found.fab, fab_rows, k // found.fab_k, k, k)
+        self.fab = WgmmaGemm(found.fab, fab_rows, k, k, k)
         # F_B's activations: f_a, the first d columns of the F_A/beta output (row stride fab_rows).
         self.fb = WgmmaGemm(found.fb, fb_rows, d, fab_rows, d)
 
@@ -315,24 +295,15 @@ class WgmmaStage:
             if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
                 self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx)
             mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
-            if cutlass.const_expr(p.fab_split):
-                # All of F_A/beta's rows over K-tile share bidx, into its fp32 partial; then, once every share is
-                # in, this CTA's rows summed over the shares.
-                m_parts = self._fab_partials(m_g1_t, m_fab_t.shape[1])
-                self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring,
-                                       m_parts[None, None, bidx], None, None, None, f_mma, warp, tidx, 0, 0, bidx)
-                self._wait_for_side_chain(m_chain, tidx, p.side, last=False)
-                self._sum_fab_partials(m_parts, m_fab_t, tidx, bidx)
-            else:
-                self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring,
-                                       m_fab_t, None, None, None, f_mma, warp, tidx, bidx, 0, 0)
+            self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
+                                   None, None, None, f_mma, warp, tidx, bidx, 0, 0)
             fb_barriers = barriers + 2 * max(p.qkvg.stages, p.fab.stages)
             if cutlass.const_expr(p.fb_resident):
                 if tidx == 0:  # made visible by the wait's CTA barrier
                     for j in cutlass.range_constexpr(p.fb_passes):
                         cute.arch.mbarrier_init(fb_barriers + j, 1)
                     cute.arch.mbarrier_init_fence()
-            self._wait_for_side_chain(m_chain, tidx, p.side * (2 if p.fab_split else 1), last=True)
+            self._wait_for_side_chain(m_chain, tidx)
             if cutlass.const_expr(p.fb_resident):
                 self._fb_on_resident_f_a(b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, fb_barriers, ring, m_g1_t,
                                          warp, tidx, bidx)
@@ -425,54 +396,12 @@ class WgmmaStage:
             for k in range(self.d // t.block_k):
                 cute.prefetch(b_w_tma, t_gw[None, k])
 
-    def _fab_partials(self, m_g1_t: cute.Tensor, m_tokens) -> cute.Tensor:
-        """F_A/beta's fp32 partials ``(fab_rows, M, side)`` (split ``s`` at ``[:, :, s]``, rows contiguous) over
-        the start of g1's buffer, which F_B overwrites once every side-chain CTA has summed its rows."""
-        p = self.plan
-        parts = cute.recast_ptr(m_g1_t.iterator, dtype=cutlass.Float32)
-        layout = cute.make_layout((self.fab_rows, m_tokens, p.side),
-                                  stride=(1, self.fab_rows, self.fab_rows * m_tokens))
-        return cute.make_tensor(parts, layout)
-
     @cute.jit
-    def _sum_fab_partials(self, m_parts, m_fab_t, tidx, side_cta):
-        """F_A/beta's output rows of side-chain CTA ``side_cta`` (``fab_rows / side`` of them) for every token: its
-        partials summed in split order, written as bf16. The consumer threads take 4 rows of one token each in
-        turn; every load is issued before the first sum (tokens past M read token M - 1's partials and store
-        nothing), so the CTA waits for L2 about once. L2 loads (.cg), as another SM wrote the partials."""
-        p = self.plan
-        rows = self.fab_rows // p.side
-        quads = rows // 4
-        threads = p.qkvg.consumer_threads
-        m_tokens = m_fab_t.shape[1]
-        if tidx < threads:
-            turns = []
-            for j in cutlass.range_constexpr(-(-p.fab.block_t * quads // threads)):
-                v = j * threads + tidx
-                token, row = v // quads, side_cta * rows + v % quads * 4
-                read = cutlass.min(token, m_tokens - 1)
-                parts = [
-                    [cute.arch.load(m_parts.iterator + cute.crd2idx((row + e, read, s), m_parts.layout),
-                                    cutlass.Float32, cop="cg") for e in range(4)]
-                    for s in range(p.side)
-                ]
-                turns.append((token, row, parts))
-            for token, row, parts in turns:
-                if token < m_tokens:
-                    for e in cutlass.range_constexpr(4):
-                        total = parts[0][e]
-                        for s in cutlass.range_constexpr(1, p.side):
-                            total = total + parts[s][e]
-                        m_fab_t[row + e, token] = total.to(m_fab_t.element_type)
-
-    @cute.jit
-    def _wait_for_side_chain(self, m_chain, tidx, arrivals: cutlass.Constexpr[int], last: cutlass.Constexpr[bool]):
-        """Count this CTA in on ``chain[0]`` and wait until it reads ``arrivals`` (the whole CTA): every side-chain
-        CTA's F_A/beta tile is stored (or, split along K, its partial; a second wait then counts the sums in).
-        Release: each thread's stores are visible device-wide before thread 0 counts in; acquire: thread 0's fence
-        after the wait orders the CTA's later reads, and the async-proxy fences let TMA read what generic stores
-        wrote (the F_A/beta outputs in global memory, the staged tile in the ring). After the ``last`` wait, the
-        last CTA past it resets both counters (``chain[1]`` counts them)."""
+    def _wait_for_side_chain(self, m_chain, tidx):
+        """Count this CTA's F_A/beta tile in and wait for every side-chain CTA's (the whole CTA). Release: each
+        thread's stores are visible device-wide before thread 0 counts in; acquire: thread 0's fence after the
+        wait orders the CTA's later reads, and the async-proxy fences let TMA read what generic stores wrote
+        (the F_A/beta outputs in global memory, the staged tile in the ring)."""
         side = self.plan.side
         cute.arch.fence_acq_rel_gpu()
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -481,14 +410,13 @@ class WgmmaStage:
             cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
             # Relaxed polls, one fence after.
             arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
-            while arrived < arrivals:
+            while arrived < side:
                 arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
             cute.arch.fence_acq_rel_gpu()
-            if cutlass.const_expr(last):
-                past = cute.arch.atomic_add(m_chain.iterator + 1, cutlass.Int32(1), sem="relaxed", scope="gpu")
-                if past == side - 1:  # every side-chain CTA has seen chain[0] complete
-                    m_chain[0] = 0
-                    m_chain[1] = 0
+            past = cute.arch.atomic_add(m_chain.iterator + 1, cutlass.Int32(1), sem="relaxed", scope="gpu")
+            if past == side - 1:  # every side-chain CTA has seen chain[0] complete
+                m_chain[0] = 0
+                m_chain[1] = 0
         cute.arch.sync_threads()
         cute.arch.fence_proxy("async.global")
 
