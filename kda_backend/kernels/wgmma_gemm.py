@@ -219,6 +219,8 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKENS_ON_M} with tokens_on_m"
         if t.block_k != 64:
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
+        if t.split_k != 1:
+            return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
     elif t.padded_rows:
         if t.block_n % 8 or t.block_n < 8:
             return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
@@ -322,20 +324,6 @@ def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [deep, dataclasses.replace(deep, pdl=False), *(dataclasses.replace(probe, stages=s) for s in rings[1:])]
 
 
-def split_tokens_on_m_tactics(n, k, m):
-    """Tokens on M from 65 to 128 tokens, ``s`` times tokens_on_m_rows(n) rows over 1/``s`` of K (s = 2, 4)."""
-    if not TOKENS_ON_M_CANDIDATES_UP_TO < m <= MAX_TOKENS_ON_M or k % 64:
-        return []
-    found = []
-    for split in (2, 4):
-        probe = WgmmaTactic(tokens_on_m_rows(n) * split, 64, 64, 1, split, tokens_on_m=True).for_tokens(m)
-        stages = min(MAX_DEFAULT_STAGES, max_stages(probe.block_n, 64, probe.block_t, 1, tokens_on_m=True))
-        tactic = dataclasses.replace(probe, stages=stages)
-        if validate_wgmma_tactic(tactic, n, k, k) is None:
-            found.append(tactic)
-    return found
-
-
 def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     """The swap-AB tactic whose CTAs hold fewer rows than one 64-row atom (:attr:`WgmmaTactic.padded_rows`):
     :func:`tokens_on_m_rows` rows per CTA, so every SM streams about one row block, with PDL in the deepest ring one
@@ -366,8 +354,7 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    for tactic in [default, *tokens_on_m_tactics(n, k, m), *split_tokens_on_m_tactics(n, k, m),
-                   *padded_rows_tactics(n, k, m)]:
+    for tactic in [default, *tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m)]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
     return found
@@ -592,7 +579,8 @@ class WgmmaGemm:
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
             if cutlass.const_expr(t.split_k > 1):
-                self._reduce_split_k(acc, thr_mma, m_out_t, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx)
+                self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
+                                     bidx, bidy, bidz, tidx)
                 # Only the CTA that arrived last holds the full sum; the others are done.
                 if s_last[0] == t.split_k - 1:
                     self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
@@ -741,22 +729,18 @@ class WgmmaGemm:
             if i < vectors and self._in_bounds(v_c[(0, i)], m_tokens):
                 cute.copy(store, v_s[(None, i)], v_g[(None, i)])
 
-    def _acc_tile(self, tensor, row_block, token_tile):
-        """The accumulator's (rows, tokens) tile of ``tensor`` (N, M) as the MMA's C sees it."""
-        t = self.tactic
-        origin = cute.domain_offset((row_block * t.block_n, token_tile * t.block_t), tensor)
-        return self._mma_view(cute.local_tile(origin, (t.mma_rows, t.mma_tokens), (0, 0)))
-
     @cute.jit
-    def _reduce_split_k(self, acc, thr_mma, m_out_t, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx):
-        """Split-K sum in the last CTA to arrive; tokens on M too (padding tokens kept out)."""
+    def _reduce_split_k(self, acc, thr_mma, t_co, m_tokens, m_work, m_arrivals, s_last, bidx, bidy, bidz, tidx):
+        """Publish this CTA's partial and count it in; in the CTA that arrives last, replace ``acc`` with the sum
+        of every split's partial, in split order (``s_last[0] == split_k - 1`` there). Only real tokens' and rows'
+        partials are written and read."""
         t = self.tactic
-        t_co = thr_mma.partition_C(self._acc_tile(cute.make_identity_tensor(m_out_t.shape), bidx, bidy))
-        token_end = cutlass.min(m_out_t.shape[1], (bidy + 1) * t.block_t)
-        t_gp = thr_mma.partition_C(self._acc_tile(m_work[None, None, bidz], bidx, bidy))
+        tile_shape = (t.block_n, t.block_t)
+        t_gp = thr_mma.partition_C(cute.local_tile(m_work[None, None, bidz], tile_shape, (bidx, bidy)))
         for i in cutlass.range_constexpr(cute.size(acc)):
-            if self._in_bounds(t_co[i], token_end):
+            if self._in_bounds(t_co[i], m_tokens):
                 t_gp[i] = acc[i]
+        # Release: every thread's partial is visible device-wide before thread 0 counts the CTA in.
         cute.arch.fence_acq_rel_gpu()
         self._consumers_sync()
         tile = bidy * row_blocks(self.n, t.block_n) + bidx
@@ -765,8 +749,12 @@ class WgmmaGemm:
         self._consumers_sync()
         if s_last[0] == t.split_k - 1:
             cute.arch.fence_acq_rel_gpu()
+            # Loads of a chunk of elements from every split are issued before the first add, so the last CTA waits
+            # for L2 about once per chunk, not per split; chunks bound the registers they hold. L2 loads (.cg): this
+            # SM's L1 may hold a stale copy of a line another CTA wrote since.
             partials = [
-                thr_mma.partition_C(self._acc_tile(m_work[None, None, s], bidx, bidy)) for s in range(t.split_k)
+                thr_mma.partition_C(cute.local_tile(m_work[None, None, s], tile_shape, (bidx, bidy)))
+                for s in range(t.split_k)
             ]
             chunk = max(1, REDUCE_REGISTERS // t.split_k)
             size = cute.size(acc)
@@ -776,7 +764,7 @@ class WgmmaGemm:
                     part = []
                     for i in cutlass.range_constexpr(first, min(first + chunk, size)):
                         value = cutlass.Float32(0.0)
-                        if self._in_bounds(t_co[i], token_end):
+                        if self._in_bounds(t_co[i], m_tokens):
                             value = cute.arch.load(
                                 t_gs.iterator + cute.crd2idx(i, t_gs.layout), cutlass.Float32, cop="cg"
                             )
