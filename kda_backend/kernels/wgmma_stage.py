@@ -76,7 +76,8 @@ TOKENS_ON_M_MAX_M = 64
 # slots (1.02-1.11x its floor), 42.75-44.49 with 6 or 8, against cuBLAS's 45.96 / 45.45 / 45.56 and 49.28 / 50.33 for
 # swap-AB CTAs of 128 rows at M = 72 / 96. The fused stage on H100 (rings-h100.log beside it): 63.72-67.22 us at
 # M = 72..128 with 7 slots, 64.73-67.42 with 6, 67.23-70.91 with 8. On H200 its side chain finishes after QKVG above
-# 64 tokens (47.4-49.8 us at M = 80..128), so the autotuner keeps it only where it wins.
+# 64 tokens (47.4-49.8 us at M = 80..128): F_B's passes, one after another, add 7-8 us after F_A/beta
+# (levers/fused-stage-tp4/f-b-cost.log), so the autotuner keeps it only where it wins.
 WIDE_TOKENS_ON_M_STAGES = ((128, 7),)  # (largest token tile, slots)
 WIDE_TOKENS_ON_M_MAX_M = WIDE_TOKENS_ON_M_STAGES[-1][0]
 PADDED_ROWS_STAGES = ((80, 8), (96, 7))  # (largest token tile, slots)
