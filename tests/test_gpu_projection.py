@@ -174,8 +174,8 @@ def test_graph_replay_equals_eager_bitwise_with_the_fused_stage(m, packed):
 @pytest.mark.parametrize("m", [24, 72, 128])
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 def test_graph_replay_equals_eager_bitwise_with_the_tp4_fused_stage(m, packed):
-    """TP 4's fused stage: 96-row QKVG CTAs with tokens on M, in two consumer warpgroups above 64 tokens, F_B in
-    three passes per side-chain CTA; the same launch eager and captured."""
+    """TP 4's fused stage: 96-row QKVG CTAs with tokens on M, in two consumer warpgroups above 64 tokens, F_B as a
+    tail of 24 rows on each QKVG CTA; the same launch eager and captured."""
     _check_replay_equals_eager(m, packed, FUSED_CUTE, tp=4)
 
 

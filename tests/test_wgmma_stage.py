@@ -123,14 +123,20 @@ def test_tp4_fuses_with_tokens_on_m_up_to_128_tokens():
         "fused stage: QKVG's 96-row CTAs take tokens on M, up to 128 tokens (no swap-AB form for 64 rows or more)")
 
 
-def test_tp4_splits_f_b_into_three_passes_over_one_ring():
+def test_tp4_runs_f_b_as_a_tail_on_qkvg_ctas():
     plan = plan_stage(_tp4(128), *SHAPES4)
-    assert plan.side == 4 and not plan.fb_resident  # 128 QKVG CTAs of 96 rows
+    assert plan.side == 4 and plan.fb_tail and not plan.fb_resident  # 128 QKVG CTAs of 96 rows
     assert (plan.fab.block_n, plan.fab.block_t, plan.fab.consumer_warpgroups) == (40, 128, 2)
-    # F_B's 3072 rows: 768 per side-chain CTA, 3 passes of 256 rows (the MMA's N), one after another in one ring.
-    assert (plan.fb.block_n, plan.fb.stages, plan.fb_passes) == (256, 2, 3)
+    # F_B's 3072 rows: 24 on each of the 128 QKVG CTAs, both K-tiles in one ring; they wait for the 4 side CTAs.
+    assert (plan.fb.block_n, plan.fb.block_t, plan.fb.stages, plan.fb_passes) == (24, 128, 2, 1)
+    assert plan.waiters(G4.local_width) == 128
     assert plan.fb_smem_bytes() == 2 * plan.fb.slot_bytes()
-    assert plan.fb_barriers() == 3 * 2 * 2
+    assert plan.fb_barriers() == 2 * 2
+
+
+def test_tp8_keeps_f_b_on_the_side_chain_ctas():
+    plan = plan_stage(_tactic(48), *SHAPES)
+    assert not plan.fb_tail and plan.waiters(G.local_width) == plan.side == 4
 
 
 @pytest.mark.parametrize(("g", "m"), [(G4, 24), (G4, 128), (preset("kimi-k3", 16), 24)], ids=["tp4-24", "tp4-128",

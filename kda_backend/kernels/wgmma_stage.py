@@ -90,13 +90,15 @@ MAX_TILE_ROWS = 256  # tokens_on_m: weight rows are the MMA's N
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     """How one stage launch divides the work: the tactics of QKVG, F_A/beta and F_B (all of one form and one token
-    tile), the side-chain CTAs and F_B's row blocks per side-chain CTA."""
+    tile), the side-chain CTAs, and where F_B runs: ``fb_passes`` row blocks per side-chain CTA, or with
+    ``fb_tail`` one row block of ``fb.block_n`` rows on each of QKVG's first CTAs after its QKVG tile."""
 
     qkvg: WgmmaTactic
     fab: WgmmaTactic
     fb: WgmmaTactic
     side: int
     fb_passes: int
+    fb_tail: bool = False
 
     @property
     def fb_resident(self) -> bool:
@@ -116,19 +118,33 @@ class StagePlan:
         """F_B's mbarriers: a full/empty pair per slot of every pass (tokens on M), or one per pass (swap-AB)."""
         return self.fb_passes if self.fb_resident else self.fb_passes * 2 * self.fb.stages
 
+    def waiters(self, fb_rows: int) -> int:
+        """CTAs that wait for F_A/beta before F_B: the side chain's, or with ``fb_tail`` the QKVG CTAs that own one
+        of F_B's ``fb_rows // fb.block_n`` row blocks."""
+        return row_blocks(fb_rows, self.fb.block_n) if self.fb_tail else self.side
+
 
 def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
                sms: int = SMS) -> StagePlan | str:
     """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the fused stage."""
     if not (tactic.tokens_on_m or tactic.padded_rows) or tactic.split_k != 1:
         return f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m or padded-rows tactic"
-    side = sms - row_blocks(qkvg_rows, tactic.block_n)
+    qkvg_ctas = row_blocks(qkvg_rows, tactic.block_n)
+    side = sms - qkvg_ctas
     if side < 1:
-        return f"QKVG's {row_blocks(qkvg_rows, tactic.block_n)} row blocks leave none of {sms} SMs to the side chain"
+        return f"QKVG's {qkvg_ctas} row blocks leave none of {sms} SMs to the side chain"
     fab_block = -(-fab_rows // (side * 8)) * 8
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
-    if tactic.tokens_on_m:
+    # Where QKVG takes tokens on M in two consumer warpgroups (above 64 tokens), F_B's passes one after another on
+    # the side-chain CTAs end well after QKVG: F_B runs as a tail on QKVG's CTAs instead (see WIDE_TOKENS_ON_M_STAGES).
+    tail = tactic.tokens_on_m and tactic.consumer_warpgroups > 1
+    if tail:
+        # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
+        rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
+        fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False)
+        passes = 1
+    elif tactic.tokens_on_m:
         # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
         # a multiple of 8 within the MMA's N.
         share = fb_rows // side if fb_rows % side == 0 else 0
@@ -153,7 +169,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
-    found = StagePlan(tactic, fab, fb, side, passes)
+    found = StagePlan(tactic, fab, fb, side, passes, tail)
     if found.fb_smem_bytes() > ring:
         return f"F_B's {passes} passes of {fb.stages} K-tiles need more than {ring} bytes of shared memory"
     if 2 * max(tactic.stages, fab.stages) + found.fb_barriers() > RING_OFFSET_BYTES // 8:
@@ -288,39 +304,54 @@ class WgmmaStage:
         barriers = smem.allocate_array(cutlass.Int64, self.barriers(), byte_alignment=8)
         ring = smem.allocate_array(dtype, (self.smem_bytes() - RING_OFFSET_BYTES) // 2,
                                    byte_alignment=SWIZZLE_ATOM_BYTES)
+        fb_barriers = barriers + 2 * max(p.qkvg.stages, p.fab.stages)
         if bidx >= p.side:
+            if cutlass.const_expr(p.fb_tail):
+                if tidx == p.qkvg.consumer_threads and bidx - p.side < p.waiters(self.fb.n):
+                    self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx - p.side, 1)
             mainloop, s_w, s_x, s_x_box = self.qkvg._pipeline_on(barriers, ring, dtype, q_s_w, q_s_x, q_s_x_box)
             self.qkvg._tile_per_cta(mainloop, q_w_tma, q_w_src, q_x_tma, q_x_src, s_w, s_x, s_x_box, ring, m_qkvg_t,
                                     None, None, None, q_mma, warp, tidx, bidx - p.side, 0, 0)
+            if cutlass.const_expr(p.fb_tail):
+                if bidx - p.side < p.waiters(self.fb.n):
+                    self._wait_for_side_chain(m_chain, tidx)
+                    fb_loop, fb_s_w, fb_s_x, fb_s_x_box = self.fb._pipeline_on(fb_barriers, ring, dtype, b_s_w,
+                                                                               b_s_x, b_s_x_box)
+                    self.fb._tile_per_cta(fb_loop, b_w_tma, b_w_src, b_x_tma, b_x_src, fb_s_w, fb_s_x, fb_s_x_box,
+                                          ring, m_g1_t, None, None, None, b_mma, warp, tidx, bidx - p.side, 0, 0)
         else:
-            if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
-                self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx)
+            if cutlass.const_expr(not p.fb_tail):
+                if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
+                    self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx * p.fb_passes, p.fb_passes)
             mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
             self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
                                    None, None, None, f_mma, warp, tidx, bidx, 0, 0)
-            fb_barriers = barriers + 2 * max(p.qkvg.stages, p.fab.stages)
-            if cutlass.const_expr(p.fb_resident):
-                if tidx == 0:  # made visible by the wait's CTA barrier
-                    for j in cutlass.range_constexpr(p.fb_passes):
-                        cute.arch.mbarrier_init(fb_barriers + j, 1)
-                    cute.arch.mbarrier_init_fence()
-            self._wait_for_side_chain(m_chain, tidx)
-            if cutlass.const_expr(p.fb_resident):
-                self._fb_on_resident_f_a(b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, fb_barriers, ring, m_g1_t,
-                                         warp, tidx, bidx)
+            if cutlass.const_expr(p.fb_tail):
+                self._count_in(m_chain, tidx)
             else:
-                # F_B's passes one after another in one ring, each with its own barriers: each pass's pipeline syncs
-                # the CTA, so the pass before has stored its output tile from the ring by then; the proxy fence
-                # orders those generic reads before the next pass's TMA writes.
-                for j in cutlass.range_constexpr(p.fb_passes):
-                    if cutlass.const_expr(j > 0):
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                    mainloop, s_w, s_x, s_x_box = self.fb._pipeline_on(
-                        fb_barriers + j * 2 * p.fb.stages, ring, dtype, b_s_w, b_s_x, b_s_x_box
-                    )
-                    self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
-                                          ring, m_g1_t, None, None, None, b_mma, warp, tidx,
-                                          bidx * p.fb_passes + j, 0, 0)
+                if cutlass.const_expr(p.fb_resident):
+                    if tidx == 0:  # made visible by the wait's CTA barrier
+                        for j in cutlass.range_constexpr(p.fb_passes):
+                            cute.arch.mbarrier_init(fb_barriers + j, 1)
+                        cute.arch.mbarrier_init_fence()
+                self._count_in(m_chain, tidx)
+                self._wait_for_side_chain(m_chain, tidx)
+                if cutlass.const_expr(p.fb_resident):
+                    self._fb_on_resident_f_a(b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, fb_barriers, ring, m_g1_t,
+                                             warp, tidx, bidx)
+                else:
+                    # F_B's passes one after another in one ring, each with its own barriers: each pass's pipeline
+                    # syncs the CTA, so the pass before has stored its output tile from the ring by then; the proxy
+                    # fence orders those generic reads before the next pass's TMA writes.
+                    for j in cutlass.range_constexpr(p.fb_passes):
+                        if cutlass.const_expr(j > 0):
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                        mainloop, s_w, s_x, s_x_box = self.fb._pipeline_on(
+                            fb_barriers + j * 2 * p.fb.stages, ring, dtype, b_s_w, b_s_x, b_s_x_box
+                        )
+                        self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
+                                              ring, m_g1_t, None, None, None, b_mma, warp, tidx,
+                                              bidx * p.fb_passes + j, 0, 0)
 
     @cute.jit
     def _fb_on_resident_f_a(self, b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, bars, ring, m_g1_t, warp, tidx,
@@ -349,7 +380,7 @@ class WgmmaStage:
             w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
             w_bytes = k_tiles * ATOM_ROWS * t.block_k * 2
             for j in cutlass.range_constexpr(p.fb_passes):
-                t_sw, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, side_cta, j)
+                t_sw, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, side_cta * p.fb_passes + j)
                 if tidx == t.consumer_threads:
                     x_bytes = k_tiles * t.block_t * t.block_k * 2 if j == 0 else 0
                     cute.arch.mbarrier_arrive_and_expect_tx(bars + j, w_bytes + x_bytes)
@@ -379,43 +410,52 @@ class WgmmaStage:
                 c_o = cute.local_tile(cute.make_identity_tensor(m_g1_t.shape), (ATOM_ROWS, t.block_t), (row_block, 0))
                 self.fb._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
 
-    def _fb_weight_tiles(self, b_w_tma, b_w_src, s_w, side_cta, j):
-        """``(t_sw, t_gw)``: the TMA partitions of side-chain CTA ``side_cta``'s F_B row block ``j``: the shared
-        ring's (TMA, slots) and the global tile's (TMA, K-tiles)."""
-        t, passes = self.plan.fb, self.plan.fb_passes
-        g_w = cute.local_tile(b_w_src, (t.block_n, t.block_k), (side_cta * passes + j, None))
+    def _fb_weight_tiles(self, b_w_tma, b_w_src, s_w, row_block):
+        """``(t_sw, t_gw)``: the TMA partitions of F_B's row block ``row_block``: the shared ring's (TMA, slots) and
+        the global tile's (TMA, K-tiles)."""
+        t = self.plan.fb
+        g_w = cute.local_tile(b_w_src, (t.block_n, t.block_k), (row_block, None))
         return cpasync.tma_partition(
             b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
         )
 
-    def _prefetch_fb_weights(self, b_w_tma, b_w_src, ring, b_s_w, dtype, side_cta):
-        """Start reading this side-chain CTA's W_fb tiles into L2 (TMA prefetch), so F_B's loads find them there."""
-        t, passes = self.plan.fb, self.plan.fb_passes
+    def _prefetch_fb_weights(self, b_w_tma, b_w_src, ring, b_s_w, dtype, first_block, blocks):
+        """Start reading the W_fb tiles of F_B's row blocks ``first_block .. first_block + blocks - 1`` into L2 (TMA
+        prefetch), so F_B's loads find them there."""
+        t = self.plan.fb
         s_w = cute.make_tensor(cute.recast_ptr(ring, b_s_w.inner, dtype=dtype), b_s_w.outer)
-        for j in range(passes):
-            _, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, side_cta, j)
+        for j in range(blocks):
+            _, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, first_block + j)
             for k in range(self.d // t.block_k):
                 cute.prefetch(b_w_tma, t_gw[None, k])
 
     @cute.jit
-    def _wait_for_side_chain(self, m_chain, tidx):
-        """Count this CTA's F_A/beta tile in and wait for every side-chain CTA's (the whole CTA). Release: each
-        thread's stores are visible device-wide before thread 0 counts in; acquire: thread 0's fence after the
-        wait orders the CTA's later reads, and the async-proxy fences let TMA read what generic stores wrote
-        (the F_A/beta outputs in global memory, the staged tile in the ring)."""
-        side = self.plan.side
+    def _count_in(self, m_chain, tidx):
+        """Count this side-chain CTA's F_A/beta tile in on ``chain[0]`` (the whole CTA). Release: each thread's
+        stores are visible device-wide before thread 0 counts in."""
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         if tidx == 0:
             cute.arch.atomic_add(m_chain.iterator, cutlass.Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _wait_for_side_chain(self, m_chain, tidx):
+        """Wait until every side-chain CTA counted its F_A/beta tile in (the whole CTA). The last of the plan's
+        :meth:`~StagePlan.waiters` past the wait resets both counters (``chain[1]`` counts them), so the stream's
+        next launch finds them zero. Acquire: thread 0's fence after the wait orders the CTA's later reads, and
+        the async-proxy fences let TMA read what generic stores wrote (the F_A/beta outputs in global memory, the
+        staged tile in the ring)."""
+        p = self.plan
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        if tidx == 0:
             # Relaxed polls, one fence after.
             arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
-            while arrived < side:
+            while arrived < p.side:
                 arrived = cute.arch.load(m_chain.iterator, cutlass.Int32, sem="relaxed", scope="gpu")
             cute.arch.fence_acq_rel_gpu()
             past = cute.arch.atomic_add(m_chain.iterator + 1, cutlass.Int32(1), sem="relaxed", scope="gpu")
-            if past == side - 1:  # every side-chain CTA has seen chain[0] complete
+            if past == p.waiters(self.fb.n) - 1:  # every waiting CTA has seen chain[0] complete
                 m_chain[0] = 0
                 m_chain[1] = 0
         cute.arch.sync_threads()
