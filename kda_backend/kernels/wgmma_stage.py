@@ -8,7 +8,9 @@ warpgroups as QKVG's:
 - tokens on the MMA's M side (:attr:`WgmmaTactic.tokens_on_m`), up to 64 tokens in one consumer warpgroup, or up to
   :data:`WIDE_TOKENS_ON_M_MAX_M` in two where QKVG's CTAs own 64 rows or more (Kimi-K3 TP 4: 96): F_B in at least
   :data:`FB_PASSES` row blocks of up to 256 rows (the MMA's N), one after another, each its own pipeline over one
-  shared ring;
+  shared ring; in two consumer warpgroups F_B runs instead as a tail on QKVG's CTAs: each, after its QKVG tile,
+  waits for F_A/beta like a side-chain CTA and computes one row block of F_B (Kimi-K3 TP 4: 24 rows on each of
+  128 CTAs);
 - swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), any token tile up to 256 (the MMA's
   N), served from 65 to :data:`FUSED_MAX_M` tokens: F_B in 64-row passes over a resident f_a tile: f_a and every
   pass's W_fb tiles load at once, one mbarrier per pass, and the passes' MMAs run as their tiles land.
@@ -22,8 +24,8 @@ warpgroups as QKVG's:
   ``g1 = f_a @ W_fb^T``'s rows for every token: f_a (F_A/beta's first ``d`` columns,
   written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
   beyond F_A/beta's covers F_B.
-- The side-chain CTAs wait only for each other, and they are dispatched before QKVG's, which wait for nothing: the
-  launch cannot deadlock. The last side-chain CTA past the wait resets both counters (``chain[1]`` counts them past
+- The side-chain CTAs wait only for each other, and they are dispatched before QKVG's: the launch cannot deadlock
+  (with F_B's tail, QKVG's CTAs wait for side-chain CTAs already resident, which wait for nothing). The last side-chain CTA past the wait resets both counters (``chain[1]`` counts them past
   it), so the stream's next launch finds them zero.
 - Every tile is one CTA's, accumulated in a fixed order: bitwise deterministic.
 """
@@ -76,8 +78,10 @@ TOKENS_ON_M_MAX_M = 64
 # slots (1.02-1.11x its floor), 42.75-44.49 with 6 or 8, against cuBLAS's 45.96 / 45.45 / 45.56 and 49.28 / 50.33 for
 # swap-AB CTAs of 128 rows at M = 72 / 96. The fused stage on H100 (rings-h100.log beside it): 63.72-67.22 us at
 # M = 72..128 with 7 slots, 64.73-67.42 with 6, 67.23-70.91 with 8. On H200 its side chain finishes after QKVG above
-# 64 tokens (47.4-49.8 us at M = 80..128): F_B's passes, one after another, add 7-8 us after F_A/beta
-# (levers/fused-stage-tp4/f-b-cost.log), so the autotuner keeps it only where it wins.
+# 64 tokens when F_B's passes run there one after another: they add 7-8 us after F_A/beta
+# (levers/fused-stage-tp4/f-b-cost.log). Above 64 tokens F_B therefore runs as a tail on QKVG's CTAs: 48.08 / 49.06 us
+# at M = 96 / 128 against 51.28 / 52.41 with the passes (levers/fused-stage-tp4/f-b-tail/); at 48 / 64 tokens, where
+# the passes end within QKVG's time, the tail ran 0.4-1.4 us slower, and at TP 8 0.6-1.1 us slower.
 WIDE_TOKENS_ON_M_STAGES = ((128, 7),)  # (largest token tile, slots)
 WIDE_TOKENS_ON_M_MAX_M = WIDE_TOKENS_ON_M_STAGES[-1][0]
 PADDED_ROWS_STAGES = ((80, 8), (96, 7))  # (largest token tile, slots)
