@@ -25,8 +25,9 @@ warpgroups as QKVG's:
   written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
   beyond F_A/beta's covers F_B.
 - The side-chain CTAs wait only for each other, and they are dispatched before QKVG's: the launch cannot deadlock
-  (with F_B's tail, QKVG's CTAs wait for side-chain CTAs already resident, which wait for nothing). The last side-chain CTA past the wait resets both counters (``chain[1]`` counts them past
-  it), so the stream's next launch finds them zero.
+  (with F_B's tail, QKVG's CTAs wait for side-chain CTAs already resident, which wait for nothing). The last CTA
+  past the wait resets both counters (``chain[1]`` counts them past it), so the stream's next launch finds them
+  zero.
 - Every tile is one CTA's, accumulated in a fixed order: bitwise deterministic.
 """
 
