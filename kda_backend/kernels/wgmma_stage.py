@@ -312,8 +312,9 @@ class WgmmaStage:
         fb_barriers = barriers + 2 * max(p.qkvg.stages, p.fab.stages)
         if bidx >= p.side:
             if cutlass.const_expr(p.fb_tail):
-                if tidx == p.qkvg.consumer_threads and bidx - p.side < p.waiters(self.fb.n):
-                    self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx - p.side, 1)
+                if bidx - p.side < p.waiters(self.fb.n):
+                    if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
+                        self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx - p.side, 1)
             mainloop, s_w, s_x, s_x_box = self.qkvg._pipeline_on(barriers, ring, dtype, q_s_w, q_s_x, q_s_x_box)
             self.qkvg._tile_per_cta(mainloop, q_w_tma, q_w_src, q_x_tma, q_x_src, s_w, s_x, s_x_box, ring, m_qkvg_t,
                                     None, None, None, q_mma, warp, tidx, bidx - p.side, 0, 0)
