@@ -134,6 +134,13 @@ def test_tp4_runs_f_b_as_a_tail_on_qkvg_ctas():
     assert plan.fb_barriers() == 2 * 2
 
 
+def test_tp4_keeps_f_b_passes_on_the_side_chain_ctas_up_to_64_tokens():
+    plan = plan_stage(_tp4(64), *SHAPES4)
+    # One consumer warpgroup: F_B's 768 rows per side-chain CTA in 3 passes of 256 rows, one after another in one ring.
+    assert not plan.fb_tail and (plan.fb.block_n, plan.fb.stages, plan.fb_passes) == (256, 2, 3)
+    assert plan.waiters(G4.local_width) == plan.side == 4 and plan.fb_barriers() == 3 * 2 * 2
+
+
 def test_tp8_keeps_f_b_on_the_side_chain_ctas():
     plan = plan_stage(_tactic(48), *SHAPES)
     assert not plan.fb_tail and plan.waiters(G.local_width) == plan.side == 4
