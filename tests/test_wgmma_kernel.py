@@ -34,17 +34,6 @@ def test_key_names_every_field():
     assert WgmmaTactic(128, 64, 32, 6, split_k=2).key() == "w128k64t32s6x2p"
     assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
     assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True).key() == "w48k64t128s8mp"
-    assert WgmmaTactic(96, 64, 128, 7, tokens_on_m=True, cluster=2).key() == "w96k64t128s7mc2p"
-
-
-def test_clusters_share_activations_only_with_tokens_on_m_and_whole_clusters_of_row_blocks():
-    tactic = WgmmaTactic(96, 64, 128, 7, tokens_on_m=True, cluster=2)
-    assert validate_wgmma_tactic(tactic, QKVG_TP4, K, K) is None  # 128 row blocks: 64 clusters
-    assert "cluster=4 must be one of (1, 2)" in validate_wgmma_tactic(
-        dataclasses.replace(tactic, cluster=4), QKVG_TP4, K, K)
-    assert "dividing the 3 row blocks" in validate_wgmma_tactic(dataclasses.replace(tactic, block_n=48), 136, K, K)
-    assert "only tokens_on_m CTAs share activation tiles" in validate_wgmma_tactic(
-        WgmmaTactic(64, 64, 128, 8, cluster=2), QKVG_TP8, K, K)
 
 
 def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
@@ -208,8 +197,6 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 24, 10, tokens_on_m=True), QKVG_TP8),
     (WgmmaTactic(48, 64, 64, 10, tokens_on_m=True), QKVG_TP8),
     (WgmmaTactic(96, 64, 104, 6, tokens_on_m=True, pdl=False), QKVG_TP4),
-    (WgmmaTactic(96, 64, 128, 7, tokens_on_m=True, cluster=2), QKVG_TP4),
-    (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True, cluster=2), QKVG_TP8),
     (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True), 136),
     (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
     (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
@@ -289,18 +276,8 @@ def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 40, 64, 100, 128], ids=lambda m: f"M{m}")
-def test_clusters_sharing_activations_match_reference(m):
-    """Clusters of 2 CTAs multicasting each other their share of every activation tile (an odd number of 8-token
-    boxes at M = 17, 40, 100: the second CTA loads one box fewer)."""
-    _check(WgmmaTactic(96, 64, 64, 7, tokens_on_m=True, cluster=2).for_tokens(m), m, QKVG_TP4, seed=m)
-    _check(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True, cluster=2).for_tokens(m), m, QKVG_TP8, seed=m)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
-                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True),
-                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True, cluster=2)],
+                                    WgmmaTactic(48, 64, 104, 8, tokens_on_m=True)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""

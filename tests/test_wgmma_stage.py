@@ -2,8 +2,6 @@
 CPU; on a GPU, against fp32 with outputs poisoned, determinism, its counters left zero, and graph replay against
 eager."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -40,11 +38,6 @@ def _tactic(m, stages=10):
 def _tp4(m):
     """TP 4's fused QKVG tactic at ``m`` tokens: 96-row CTAs, tokens on M."""
     return fused_stage_tactic(G4.qkvg_rows, G4.hidden_size, m)
-
-
-def _tp4_clusters(m):
-    """TP 4's fused QKVG tactic at ``m`` tokens in clusters of 2 sharing the activations."""
-    return dataclasses.replace(_tp4(m), cluster=2)
 
 
 def _swap_ab(m, stages=5):
@@ -148,15 +141,6 @@ def test_tp4_keeps_f_b_passes_on_the_side_chain_ctas_up_to_64_tokens():
     assert plan.waiters(G4.local_width) == plan.side == 4 and plan.fb_barriers() == 3 * 2 * 2
 
 
-def test_tp4_in_clusters_shares_activations_on_qkvg_and_the_side_chain_but_not_in_f_b_s_tail():
-    plan = plan_stage(_tp4_clusters(128), *SHAPES4)
-    assert (plan.qkvg.cluster, plan.fab.cluster, plan.fb.cluster, plan.side) == (2, 2, 1, 4)
-    assert compile_stage(WgmmaStage(_tp4_clusters(100), *SHAPES4), "sm_90a") is not None
-    # 3 side-chain CTAs (129 QKVG row blocks of 96 rows) would pair one with a QKVG CTA.
-    assert plan_stage(_tp4_clusters(128), G4.qkvg_rows + 96, *SHAPES4[1:]) == (
-        "the side chain's 3 CTAs do not make whole clusters of 2")
-
-
 def test_tp8_keeps_f_b_on_the_side_chain_ctas():
     plan = plan_stage(_tactic(48), *SHAPES)
     assert not plan.fb_tail and plan.waiters(G.local_width) == plan.side == 4
@@ -222,7 +206,7 @@ def _operands(m, seed, g=G):
 def _stage(tactic, m):
     """The compiled stage of ``tactic`` at ``m`` tokens, in TP 4's geometry for :func:`_tp4`, else TP 8's; and
     that geometry."""
-    g, shapes = (G4, SHAPES4) if tactic in (_tp4, _tp4_clusters) else (G, SHAPES)
+    g, shapes = (G4, SHAPES4) if tactic is _tp4 else (G, SHAPES)
     return compile_stage(WgmmaStage(tactic(m), *shapes), "sm_90a"), g
 
 
@@ -235,8 +219,7 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(m, _tactic) for m in (17, 24, 40, 64, 100, 128)]
                          + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)]
-                         + [(m, _tp4) for m in (17, 64, 65, 100, 128)]
-                         + [(m, _tp4_clusters) for m in (65, 100, 128)])
+                         + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
     kernel, g = _stage(tactic, m)
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
@@ -259,7 +242,7 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab),
-                                           (256, _swap_ab), (40, _tp4), (120, _tp4), (120, _tp4_clusters)])
+                                           (256, _swap_ab), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
     kernel, g = _stage(tactic, m)
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)

@@ -19,9 +19,6 @@ warpgroup reading each activation tile once, where tokens on M need two from 65 
   MMAs and free the slot. A slot's full/empty mbarrier pair is :class:`cutlass.pipeline.PipelineTmaAsync`'s: one
   transaction barrier per slot counts the bytes of both tiles. Tokens at or past M are zero-filled by the TMA unit
   (the activation tensor map covers exactly M rows), rows past N likewise, so neither needs a predicate in the loop.
-- Clusters (:attr:`WgmmaTactic.cluster`, tokens on M): neighbouring row blocks read the same activation tiles, so
-  each CTA of a cluster loads its share of a tile's boxes by TMA multicast into all of them; a slot's empty barrier
-  then counts the consumers of every CTA of the cluster.
 - L2 evicts weight lines first (each is read once per layer) and activation lines last (every CTA along the rows
   reads them), see :mod:`kda_backend.kernels.l2_cache_policy`.
 - Accumulation in fp32 registers; each consumer keeps one K-tile of MMAs in flight and frees the slot of the one
@@ -77,7 +74,6 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 BOX_ROWS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
-CLUSTER_SIZES = (1, 2)  # tokens_on_m CTAs sharing activation tiles by multicast
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -120,10 +116,6 @@ class WgmmaTactic:
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
-    :param cluster: with ``tokens_on_m``, CTAs of neighbouring row blocks launched as one thread-block cluster that
-        share every activation tile: each loads its share of the tile's 8-token boxes by TMA multicast into every
-        CTA of the cluster, so L2 serves each activation byte once per cluster, not once per CTA. A slot is refilled
-        once the consumers of every CTA of the cluster freed it.
     """
 
     family: ClassVar[str] = "wgmma"
@@ -135,7 +127,6 @@ class WgmmaTactic:
     split_k: int = 1
     tokens_on_m: bool = False
     pdl: bool = True
-    cluster: int = 1
 
     @property
     def padded_rows(self) -> bool:
@@ -206,7 +197,7 @@ class WgmmaTactic:
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
-        order = ("m" if self.tokens_on_m else "") + (f"c{self.cluster}" if self.cluster > 1 else "")
+        order = "m" if self.tokens_on_m else ""
         return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
 
     def for_tokens(self, m: int) -> WgmmaTactic:
@@ -230,11 +221,6 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
-        if t.cluster not in CLUSTER_SIZES or row_blocks(n, t.block_n) % t.cluster:
-            return (f"cluster={t.cluster} must be one of {CLUSTER_SIZES} dividing the {row_blocks(n, t.block_n)} "
-                    f"row blocks of block_n={t.block_n}")
-    elif t.cluster != 1:
-        return f"cluster={t.cluster}: only tokens_on_m CTAs share activation tiles (swap-AB runs cluster=1)"
     elif t.padded_rows:
         if t.block_n % 8 or t.block_n < 8:
             return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
@@ -462,10 +448,7 @@ class WgmmaGemm:
         tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w.element_type)
         w_box, s_w_box_layout = self._w_boxes(m_w.element_type, s_w_layout)
         w_tma, w_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_box_layout, w_box)
-        # In a cluster each activation box is one multicast into every CTA of it.
-        x_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.tactic.cluster > 1 else \
-            cpasync.CopyBulkTensorTileG2SOp()
-        x_tma, x_src = cpasync.make_tiled_tma_atom(x_op, m_x, s_x_box_layout, x_box)
+        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
         return w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma
 
     @cute.jit
@@ -496,12 +479,7 @@ class WgmmaGemm:
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=self.cluster_shape(), smem=t.smem_bytes(),
-                 stream=stream, use_pdl=t.pdl)
-
-    def cluster_shape(self) -> list[int] | None:
-        """The launch's cluster shape: :attr:`WgmmaTactic.cluster` CTAs along the row blocks (grid x), or ``None``."""
-        return [self.tactic.cluster, 1, 1] if self.tactic.cluster > 1 else None
+        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -561,19 +539,14 @@ class WgmmaGemm:
         s_x_box = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_box_layout.inner, dtype=dtype),
                                    s_x_box_layout.outer)
 
-        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane); in a
-        # cluster lane r of every consumer warp arrives on CTA r's barrier, so a slot is free once the consumers of
-        # every CTA the producer multicasts into have freed it. The cluster runs along the rows, the MMA's N with
-        # tokens_on_m: its CTAs share the A operand (multicast mode m). create() then syncs the cluster after
-        # initialising the barriers, before any multicast can land.
+        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane).
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster * t.consumer_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
             tx_count=t.stage_bytes(),
-            cta_layout_vmnk=cute.make_layout((1, 1, t.cluster, 1)),
-            mcast_mode_mn=(1, 0) if t.cluster > 1 else (1, 1),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         return mainloop, s_w, s_x, s_x_box
 
@@ -639,9 +612,8 @@ class WgmmaGemm:
     @cute.jit
     def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, row_block, token_tile, k_first,
                  k_tiles: cutlass.Constexpr[int]):
-        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it
-        (in a cluster: the consumers of every CTA of it). The TMA copies elect their issuing lane themselves; the
-        whole warp runs this."""
+        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it.
+        The TMA copies elect their issuing lane themselves; the whole warp runs this."""
         t = self.tactic
         cpasync.prefetch_descriptor(w_tma)
         cpasync.prefetch_descriptor(x_tma)
@@ -667,9 +639,6 @@ class WgmmaGemm:
             self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
             self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
-        if cutlass.const_expr(t.cluster > 1):
-            # The CTA stays until the cluster's consumers freed its last slots: they arrive on its barriers remotely.
-            mainloop.producer_tail(state)
 
     def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
@@ -678,24 +647,12 @@ class WgmmaGemm:
         boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
         _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
 
-    @cute.jit
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
-        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded). In a cluster
-        the CTA of rank r loads boxes r, r + cluster, ..., each multicast into every CTA of the cluster."""
+        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
         t = self.tactic
-        if cutlass.const_expr(t.cluster > 1):
-            boxes, per_slot = t.block_t // BOX_ROWS, t.mma_tokens // BOX_ROWS
-            everyone = cutlass.Int16((1 << t.cluster) - 1)
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            for i in cutlass.range_constexpr(-(-boxes // t.cluster)):
-                box = rank + i * t.cluster
-                if box < boxes:  # false only in the last round, where the cluster does not divide the boxes
-                    cute.copy(x_tma, t_gx[None, token_tile * boxes + box, k], t_sx[None, slot * per_slot + box],
-                              tma_bar_ptr=bar, mcast_mask=everyone, cache_policy=policy)
-        else:
-            boxes = (t.block_t // BOX_ROWS, t.mma_tokens // BOX_ROWS) if t.tokens_on_m else None
-            _load_tile(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy, boxes)
+        boxes = (t.block_t // BOX_ROWS, t.mma_tokens // BOX_ROWS) if t.tokens_on_m else None
+        _load_tile(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy, boxes)
 
     @cute.jit
     def _consume(self, mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
@@ -721,8 +678,6 @@ class WgmmaGemm:
             mainloop.consumer_release(release)
             release.advance()
         warpgroup.wait_group(0)
-        if cutlass.const_expr(t.cluster > 1):
-            mainloop.consumer_release(release)  # the cluster's producers wait for every slot before they exit
         return acc
 
     @cute.jit

@@ -138,8 +138,6 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     side = sms - qkvg_ctas
     if side < 1:
         return f"QKVG's {qkvg_ctas} row blocks leave none of {sms} SMs to the side chain"
-    if side % tactic.cluster:
-        return f"the side chain's {side} CTAs do not make whole clusters of {tactic.cluster}"
     fab_block = -(-fab_rows // (side * 8)) * 8
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
@@ -149,7 +147,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
-        fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False, cluster=1)
+        fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False)
         passes = 1
     elif tactic.tokens_on_m:
         # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
@@ -161,7 +159,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
             return (f"F_B's {fb_rows} rows do not split into {side} shares of row blocks of a multiple of 8 up to "
                     f"{MAX_TILE_ROWS}")
         # A pass's K-tiles all load at once: its ring is as deep as F_B's K-tiles.
-        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False, cluster=1)
+        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False)
     else:
         # Swap-AB: F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
         if fb_rows % (side * ATOM_ROWS):
@@ -282,8 +280,7 @@ class WgmmaStage:
         outs = [cute.make_tensor(o.iterator, cute.select(o.layout, mode=[1, 0])) for o in (m_qkvg, m_fab, m_g1)]
         grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n), 1, 1)
         self.stage_kernel(*q_ops, *f_ops, *b_ops, *outs, m_chain).launch(
-            grid=grid, block=[p.qkvg.threads, 1, 1], cluster=self.qkvg.cluster_shape(), smem=self.smem_bytes(),
-            stream=stream, use_pdl=p.qkvg.pdl
+            grid=grid, block=[p.qkvg.threads, 1, 1], smem=self.smem_bytes(), stream=stream, use_pdl=p.qkvg.pdl
         )
 
     @cute.kernel
