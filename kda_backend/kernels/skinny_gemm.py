@@ -62,8 +62,31 @@ SPLIT_K_FLAG_BYTES = 128  # shared word telling a split-K CTA's threads that it 
 X_BULK_ROW_PAD = 8
 
 
+class SplitKSchedule:
+    """What a launch of either kernel family's tactic needs on the host: output tiles of ``block_n`` rows by
+    ``block_t`` tokens, ``split_k`` CTAs each (a mixin of :class:`Tactic` and
+    :class:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic`, whose dataclass fields these are)."""
+
+    @property
+    def uses_workspace(self) -> bool:
+        """Whether a launch takes an fp32 workspace and arrival counters (split-K)."""
+        return self.split_k > 1
+
+    def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
+        """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
+        return self.split_k, m, n
+
+    def ctas(self, n: int, m: int) -> int:
+        """CTAs of one launch over ``n`` rows and ``m`` tokens."""
+        return output_tiles(self, n, m) * self.split_k
+
+    def counters(self, n: int, m: int) -> int:
+        """Arrival counters of one split-K launch over ``n`` rows and ``m`` tokens: one per output tile."""
+        return output_tiles(self, n, m)
+
+
 @dataclasses.dataclass(frozen=True)
-class Tactic:
+class Tactic(SplitKSchedule):
     """One specialization of the kernel.
 
     :param block_n: weight rows per CTA (multiple of 16, dividing N rounded up to 16 rows; the last CTA along N
@@ -134,23 +157,6 @@ class Tactic:
         """This tactic loading activations by ``cp.async`` from L2 (what a launch that cannot trust L1 or the async
         proxy needs, see :func:`validate_link`)."""
         return dataclasses.replace(self, x_via_l1=False, x_tma=False, x_bulk=False)
-
-    @property
-    def uses_workspace(self) -> bool:
-        """Whether a launch takes an fp32 workspace and arrival counters (split-K)."""
-        return self.split_k > 1
-
-    def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
-        """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
-        return self.split_k, m, n
-
-    def ctas(self, n: int, m: int) -> int:
-        """CTAs of one launch over ``n`` rows and ``m`` tokens."""
-        return output_tiles(self, n, m) * self.split_k
-
-    def counters(self, n: int, m: int) -> int:
-        """Arrival counters of one split-K launch over ``n`` rows and ``m`` tokens: one per output tile."""
-        return output_tiles(self, n, m)
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
@@ -259,7 +265,7 @@ def check_optional_operands(what: str, used: dict[str, bool], operands: dict[str
         raise ValueError(f"{', '.join(missing)} required by {what}")
 
 
-def output_tiles(tactic: Tactic, n: int, m: int) -> int:
+def output_tiles(tactic: SplitKSchedule, n: int, m: int) -> int:
     """Output tiles of one launch over ``n`` weight rows and ``m`` tokens (each split-K CTA works on one of them):
     what split-K counts per tile and what a waiting launch counts in."""
     return row_blocks(n, tactic.block_n) * -(-m // tactic.block_t)

@@ -60,6 +60,7 @@ from kda_backend.kernels.skinny_gemm import (
     NO_LINK,
     SPLIT_K_FLAG_BYTES,
     Link,
+    SplitKSchedule,
     check_optional_operands,
     output_tiles,
     row_blocks,
@@ -97,7 +98,7 @@ REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per t
 
 
 @dataclasses.dataclass(frozen=True)
-class WgmmaTactic:
+class WgmmaTactic(SplitKSchedule):
     """One specialization of the kernel.
 
     :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
@@ -177,23 +178,6 @@ class WgmmaTactic:
         """Itself: the TMA unit reads activations from L2 already (API parity with
         :meth:`~kda_backend.kernels.skinny_gemm.Tactic.with_activations_from_l2`)."""
         return self
-
-    @property
-    def uses_workspace(self) -> bool:
-        """Whether a launch takes an fp32 workspace and arrival counters (split-K)."""
-        return self.split_k > 1
-
-    def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
-        """The fp32 workspace ``[split_k, M, N]`` of a split-K launch over ``m`` tokens and ``n`` rows."""
-        return self.split_k, m, n
-
-    def ctas(self, n: int, m: int) -> int:
-        """CTAs of one launch over ``n`` rows and ``m`` tokens."""
-        return output_tiles(self, n, m) * self.split_k
-
-    def counters(self, n: int, m: int) -> int:
-        """Arrival counters of one split-K launch over ``n`` rows and ``m`` tokens: one per output tile."""
-        return output_tiles(self, n, m)
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
