@@ -41,7 +41,6 @@ provider launch either; it takes no part in the single-stream side chain
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import ClassVar
 
 import cutlass
@@ -95,11 +94,6 @@ TOKEN_TILES = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128
 MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
-DIAG = frozenset(os.environ.get('KDA_DIAG', '').split(','))
-NOX = 'nox' in DIAG
-NOMMA = 'nomma' in DIAG
-LAG2 = 'lag2' in DIAG
-HALFX = 'halfx' in DIAG
 REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per thread
 
 
@@ -535,7 +529,7 @@ class WgmmaGemm:
             num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
-            tx_count=t.block_n * t.block_k * 2 if NOX or HALFX else t.stage_bytes(),
+            tx_count=t.stage_bytes(),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         return mainloop, s_w, s_x, s_x_box
@@ -614,29 +608,20 @@ class WgmmaGemm:
         # slot's barrier expects both tiles' bytes, so it completes once the activations land too.
         for s in cutlass.range_constexpr(prologue):
             mainloop.producer_acquire(state)  # the ring starts empty: no wait
-            if cutlass.const_expr(HALFX and s % 2 == 0):
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_expect_tx(mainloop.producer_get_barrier(state), t.block_t * t.block_k * 2)
             self._load_w(w_tma, t_gw, t_sw, row_block, k_first + s, s, mainloop.producer_get_barrier(state), w_policy)
             state.advance()
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
             # The CTA releases the next kernel here, once x is complete: its weight prologue overlaps our tail.
             cute.arch.griddepcontrol_launch_dependents()
-        for s in cutlass.range_constexpr(0, prologue if not NOX else 0, 2 if HALFX else 1):
+        for s in cutlass.range_constexpr(prologue):
             self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + s, s, mainloop.sync_object_full.get_barrier(s),
                          x_policy)
         for k in cutlass.range(prologue, k_tiles, unroll=1):
             mainloop.producer_acquire(state)
             bar = mainloop.producer_get_barrier(state)
             self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
-            if cutlass.const_expr(HALFX):
-                if k % 2 == 0:
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_expect_tx(bar, t.block_t * t.block_k * 2)
-                    self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
-            elif cutlass.const_expr(not NOX):
-                self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
 
     def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
@@ -667,15 +652,13 @@ class WgmmaGemm:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        lag = 2 if LAG2 else 1
-        for _ in cutlass.range_constexpr(lag):
-            self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
-            read.advance()
-        for _ in cutlass.range(lag, k_tiles, unroll=1):
+        self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
+        read.advance()
+        for _ in cutlass.range(1, k_tiles, unroll=1):
             self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
             read.advance()
             # The K-tile before this one is done: its slot may be refilled.
-            warpgroup.wait_group(lag)
+            warpgroup.wait_group(1)
             mainloop.consumer_release(release)
             release.advance()
         warpgroup.wait_group(0)
@@ -686,7 +669,7 @@ class WgmmaGemm:
         """Wait for the ring slot ``read`` and issue its MMAs (one commit group)."""
         mainloop.consumer_wait(read)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2]) if not NOMMA else 0):
+        for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
             cute.gemm(tiled_mma, acc, t_ra[None, None, kb, read.index], t_rb[None, None, kb, read.index], acc)
         warpgroup.commit_group()
 
