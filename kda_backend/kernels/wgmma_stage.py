@@ -46,7 +46,6 @@ from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_poli
 from kda_backend.kernels.skinny_gemm import MAX_SMEM_BYTES, row_blocks
 from kda_backend.kernels.wgmma_gemm import (
     ATOM_ROWS,
-    BOX_ROWS,
     MAX_STAGES,
     RING_OFFSET_BYTES,
     SMS,
@@ -108,8 +107,8 @@ class StagePlan:
 
     @property
     def fb_resident(self) -> bool:
-        """Whether F_B runs as 64-row passes over one resident f_a tile (the swap-AB form on the side chain)."""
-        return not self.qkvg.tokens_on_m and not self.fb_tail
+        """Whether F_B runs as 64-row passes over one resident f_a tile (the swap-AB form)."""
+        return not self.qkvg.tokens_on_m
 
     def fb_smem_bytes(self) -> int:
         """F_B's shared memory: one pass's ring, which the passes take in turn (tokens on M), or every pass's W_fb
@@ -144,7 +143,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
     # Where QKVG takes tokens on M in two consumer warpgroups (above 64 tokens), F_B's passes one after another on
     # the side-chain CTAs end well after QKVG: F_B runs as a tail on QKVG's CTAs instead (see WIDE_TOKENS_ON_M_STAGES).
-    tail = not tactic.tokens_on_m or tactic.consumer_warpgroups > 1
+    tail = tactic.tokens_on_m and tactic.consumer_warpgroups > 1
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
@@ -428,25 +427,13 @@ class WgmmaStage:
 
     def _prefetch_fb_weights(self, b_w_tma, b_w_src, ring, b_s_w, dtype, first_block, blocks):
         """Start reading the W_fb tiles of F_B's row blocks ``first_block .. first_block + blocks - 1`` into L2 (TMA
-        prefetch), so F_B's loads find them there; with padded rows box by box, as they load."""
+        prefetch), so F_B's loads find them there."""
         t = self.plan.fb
-        if cutlass.const_expr(t.padded_rows):
-            _, box_layout = self.fb._w_boxes(dtype, None)
-            s_w = cute.make_tensor(cute.recast_ptr(ring, box_layout.inner, dtype=dtype), box_layout.outer)
-            g_w = cute.local_tile(b_w_src, (BOX_ROWS, t.block_k), (None, None))
-            _, t_gw = cpasync.tma_partition(
-                b_w_tma, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(g_w, 0, 2)
-            )
-            boxes = t.block_n // BOX_ROWS
-            for j in range(blocks * boxes):
-                for k in range(self.d // t.block_k):
-                    cute.prefetch(b_w_tma, t_gw[None, first_block * boxes + j, k])
-        else:
-            s_w = cute.make_tensor(cute.recast_ptr(ring, b_s_w.inner, dtype=dtype), b_s_w.outer)
-            for j in range(blocks):
-                _, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, first_block + j)
-                for k in range(self.d // t.block_k):
-                    cute.prefetch(b_w_tma, t_gw[None, k])
+        s_w = cute.make_tensor(cute.recast_ptr(ring, b_s_w.inner, dtype=dtype), b_s_w.outer)
+        for j in range(blocks):
+            _, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, first_block + j)
+            for k in range(self.d // t.block_k):
+                cute.prefetch(b_w_tma, t_gw[None, k])
 
     @cute.jit
     def _count_in(self, m_chain, tidx):
