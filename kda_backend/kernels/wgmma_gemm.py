@@ -11,10 +11,7 @@ the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs str
 128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored. Under swap-AB a CTA
 may as well own fewer rows than the 64-row atom (:attr:`WgmmaTactic.padded_rows`): the weights arrive in boxes of 8
 rows and the atom's padding rows are never loaded, never stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one
-warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Split along K in a
-thread-block cluster of 2, such a CTA owns twice the rows (96 at TP 8, in two atoms) over half of K: as many CTAs,
-each loading half the activations (what the activations cost each SM is most of what keeps QKVG from its floor above
-64 tokens, see :data:`CLUSTER_SPLIT_K`).
+warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on.
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -28,8 +25,7 @@ each loading half the activations (what the activations cost each SM is most of 
   before. No cross-warp reduction and no floating-point atomics, so results are bitwise deterministic; split-K
   (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, with the protocol of
   :class:`~kda_backend.kernels.skinny_gemm.Tactic`'s split-K (fp32 workspace, per-tile arrival counters that the
-  last CTA resets), or with padded rows within the tile's thread-block cluster: each CTA stages its partial in its
-  drained ring and sums its share of the tile from every CTA's through distributed shared memory.
+  last CTA resets).
 - Programmatic dependent launch: the producer issues the weight tiles of the prologue before
   ``griddepcontrol.wait``, so they stream while the previous kernel (which produced x) drains; only activation
   loads wait for it.
@@ -45,7 +41,6 @@ provider launch either; it takes no part in the single-stream side chain
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import ClassVar
 
 import cutlass
@@ -57,7 +52,6 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass.utils import hopper_helpers
 
 from kda_backend.kernels.arrival_counters import SPLIT_K_COUNTERS
-from kda_backend.kernels.cluster_smem import VECTOR_FLOATS, load_peer_f32x4, store_peer_f32x4
 from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_policy
 from kda_backend.kernels.skinny_gemm import (
     COPY_BITS,
@@ -81,10 +75,6 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 BOX_ROWS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
-# Padded-rows CTAs of twice the rows split K in a cluster of this many. Measured on H200 for Kimi-K3 TP 8 QKVG alone
-# with 48-row CTAs (diagnostic builds, benchmarks/results/levers/qkvg-cost-decomposition/): 26.02 / 24.34 us at
-# M = 128 / 96 as built, 24.62 / 22.95 loading the activations for every second K-tile only.
-CLUSTER_SPLIT_K = 2
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -104,7 +94,6 @@ TOKEN_TILES = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128
 MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
-DIAG = frozenset(os.environ.get('KDA_DIAG', '').split(','))
 REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per thread
 
 
@@ -113,9 +102,8 @@ class WgmmaTactic(SplitKSchedule):
     """One specialization of the kernel.
 
     :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
-        each), or a multiple of 8 below 64 in one padded atom (64-element K-tiles, no split-K), or between 64 and 128
-        in two atoms, the second padded (split along K in a cluster of :data:`CLUSTER_SPLIT_K`); with
-        ``tokens_on_m`` any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
+        each), or a multiple of 8 below 64 in one padded atom (64-element K-tiles, no split-K); with ``tokens_on_m``
+        any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
         row block is partial (its rows past N are zero-filled and never stored).
     :param block_k: K elements per pipeline stage (64: one 128-byte swizzle atom, or 128), dividing K.
     :param block_t: tokens per CTA, a multiple of 8: the ``wgmma`` N, up to 256; with ``tokens_on_m`` up to
@@ -125,8 +113,6 @@ class WgmmaTactic(SplitKSchedule):
     :param split_k: CTAs sharing one output tile along K (grid z), for N too small to give every SM a row block.
         Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
         counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
-        With :attr:`padded_rows` the tile's CTAs form one thread-block cluster instead (:attr:`in_cluster`): each
-        stages its partial in its drained ring and sums its share of the tile from every CTA's, in split order.
     :param tokens_on_m: the tokens fill the MMA's M side and the weight rows its N side, instead of swap-AB
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
@@ -145,35 +131,18 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def padded_rows(self) -> bool:
-        """Swap-AB with weight rows that do not fill whole ``wgmma`` atoms of 64: the rows arrive in boxes of 8 and
-        the MMA's padding rows stay unloaded and unstored, as the tokens do with ``tokens_on_m``."""
-        return not self.tokens_on_m and self.block_n % ATOM_ROWS != 0
+        """Swap-AB with fewer weight rows than one ``wgmma`` atom's 64: the rows arrive in boxes of 8 and the MMA's
+        padding rows stay unloaded and unstored, as the tokens do with ``tokens_on_m``."""
+        return not self.tokens_on_m and self.block_n < ATOM_ROWS
 
     @property
     def mma_rows(self) -> int:
-        """Weight rows one CTA's MMAs cover: ``block_n``, or where :attr:`padded_rows` whole 64-row atoms (the
-        rows fill them in order, the last atom's tail is padding)."""
-        return -(-self.block_n // ATOM_ROWS) * ATOM_ROWS if self.padded_rows else self.block_n
-
-    @property
-    def in_cluster(self) -> bool:
-        """Whether the split-K partials are summed in a thread-block cluster (padded rows), not a workspace."""
-        return self.split_k > 1 and self.padded_rows
-
-    @property
-    def uses_workspace(self) -> bool:
-        """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
-        return self.split_k > 1 and not self.in_cluster
-
-    def partial_bytes(self) -> int:
-        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile (0 otherwise)."""
-        return (self.mma_rows + 4) * self.mma_tokens * 4 if self.in_cluster else 0
+        """Weight rows one CTA's MMAs cover: ``block_n``, or one 64-row atom where :attr:`padded_rows`."""
+        return ATOM_ROWS if self.padded_rows else self.block_n
 
     @property
     def consumer_warpgroups(self) -> int:
         rows = self.block_t if self.tokens_on_m else self.block_n
-        if 'onewg' in DIAG and self.padded_rows:
-            return 1
         return 1 if rows <= ATOM_ROWS else 2
 
     @property
@@ -202,8 +171,8 @@ class WgmmaTactic(SplitKSchedule):
         return (self.mma_rows + self.mma_tokens) * self.block_k * 2
 
     def smem_bytes(self) -> int:
-        """The ring after the barrier area (the output tile and an in-cluster partial reuse the drained ring)."""
-        return RING_OFFSET_BYTES + max(self.stages * self.slot_bytes(), self.partial_bytes())
+        """The ring after the barrier area (the output tile reuses the drained ring)."""
+        return RING_OFFSET_BYTES + self.stages * self.slot_bytes()
 
     def with_activations_from_l2(self) -> WgmmaTactic:
         """Itself: the TMA unit reads activations from L2 already (API parity with
@@ -237,15 +206,12 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
     elif t.padded_rows:
-        if t.block_n % 8 or not 8 <= t.block_n < 2 * ATOM_ROWS:
-            return (f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {2 * ATOM_ROWS} "
-                    "(padded atoms)")
+        if t.block_n % 8 or t.block_n < 8:
+            return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
         if t.block_k != 64:
-            return f"block_k={t.block_k}: padded rows load in 8-row boxes of one 64-element swizzle atom"
-        split = CLUSTER_SPLIT_K if t.block_n > ATOM_ROWS else 1
-        if t.split_k != split:
-            return (f"split_k={t.split_k}: {t.block_n} padded rows run with split_k={split} (below {ATOM_ROWS} rows "
-                    f"unsplit, above it split along K in a cluster of {CLUSTER_SPLIT_K})")
+            return f"block_k={t.block_k}: rows below {ATOM_ROWS} load in 8-row boxes of one 64-element swizzle atom"
+        if t.split_k != 1:
+            return f"split_k={t.split_k}: rows below {ATOM_ROWS} run unsplit (their narrow CTAs fill the SMs)"
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
@@ -343,27 +309,18 @@ def tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
 
 
 def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
-    """The swap-AB tactics whose CTAs hold fewer rows than one 64-row atom (:attr:`WgmmaTactic.padded_rows`):
+    """The swap-AB tactic whose CTAs hold fewer rows than one 64-row atom (:attr:`WgmmaTactic.padded_rows`):
     :func:`tokens_on_m_rows` rows per CTA, so every SM streams about one row block, with PDL in the deepest ring one
-    CTA per SM allows (at most 12 K-tiles); above :data:`TOKENS_ON_M_CANDIDATES_UP_TO` tokens also twice the rows
-    split along K in a cluster of :data:`CLUSTER_SPLIT_K` (as many CTAs, half the activations each). None where the
-    rows are 64 or more or 64-element K-tiles do not divide K. Measured on H200 for Kimi-K3 TP 8 QKVG alone
-    (`benchmarks/results/levers/wgmma-padded-rows.log`): 22.40-22.58 / 23.38 / 24.42-24.47 / 25.94 us at
-    M = 72 / 96 / 112 / 128, 1.04-1.22x its floor, against 24.44 / 26.77 / - / 31.89 for tokens-on-M CTAs of 48 rows
-    in the same runs."""
+    CTA per SM allows (at most 12 K-tiles); none where that is 64 rows or more or 64-element K-tiles do not divide K.
+    Measured on H200 for Kimi-K3 TP 8 QKVG alone (`benchmarks/results/levers/wgmma-padded-rows.log`): 22.40-22.58 /
+    23.38 / 24.42-24.47 / 25.94 us at M = 72 / 96 / 112 / 128, 1.04-1.22x its floor, against 24.44 / 26.77 / - /
+    31.89 for tokens-on-M CTAs of 48 rows in the same runs."""
     rows = tokens_on_m_rows(n)
     if rows >= ATOM_ROWS or k % 64:
         return []
-    found = []
-    shapes = [(rows, 1)]
-    if m > TOKENS_ON_M_CANDIDATES_UP_TO and CLUSTER_SPLIT_K * rows > ATOM_ROWS and (k // 64) % CLUSTER_SPLIT_K == 0:
-        shapes.append((CLUSTER_SPLIT_K * rows, CLUSTER_SPLIT_K))
-    for block_n, split_k in shapes:
-        probe = WgmmaTactic(block_n, 64, wgmma_block_t_for(m), 1, split_k)
-        stages = min(MAX_DEFAULT_STAGES, max_stages(block_n, 64, probe.block_t, 1))
-        if stages >= 2:
-            found.append(dataclasses.replace(probe, stages=stages))
-    return found
+    probe = WgmmaTactic(rows, 64, wgmma_block_t_for(m), 1)
+    stages = min(MAX_DEFAULT_STAGES, max_stages(rows, 64, probe.block_t, 1))
+    return [dataclasses.replace(probe, stages=stages)] if stages >= 2 else []
 
 
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
@@ -506,8 +463,7 @@ class WgmmaGemm:
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=[1, 1, t.split_k] if t.in_cluster and 'nocl' not in DIAG else None,
-                 smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -573,7 +529,7 @@ class WgmmaGemm:
             num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
-            tx_count=t.block_n * t.block_k * 2 if 'nox' in DIAG else t.stage_bytes(),
+            tx_count=t.stage_bytes(),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         return mainloop, s_w, s_x, s_x_box
@@ -585,7 +541,7 @@ class WgmmaGemm:
         t = self.tactic
         m_tokens = m_out_t.shape[1]
         k_tiles = self.k // t.block_k // t.split_k
-        k_first = bidz if 'ileave' in DIAG else bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
+        k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
         s_w_box = s_w
         if cutlass.const_expr(t.padded_rows):  # the weight ring as its 8-row boxes fill it
             _, s_w_box_layout = self._w_boxes(m_out_t.element_type, None)
@@ -596,10 +552,6 @@ class WgmmaGemm:
 
         if warp == t.consumer_threads // 32:
             self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_first, k_tiles)
-            if cutlass.const_expr(t.in_cluster and 'noreduce' not in DIAG):
-                # The cluster barriers count every thread: the producer waits out both, see _reduce_in_cluster.
-                self._cluster_sync()
-                self._cluster_sync()
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
@@ -610,13 +562,7 @@ class WgmmaGemm:
             s_o = cute.make_tensor(ring, cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
-            if cutlass.const_expr(t.in_cluster and 'noreduce' in DIAG):
-                self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
-            elif cutlass.const_expr(t.in_cluster and 'xchg' in DIAG):
-                self._exchange_in_cluster(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, bidz)
-            elif cutlass.const_expr(t.in_cluster):
-                self._reduce_in_cluster(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, bidz)
-            elif cutlass.const_expr(t.split_k > 1):
+            if cutlass.const_expr(t.split_k > 1):
                 self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
                                      bidx, bidy, bidz, tidx)
                 # Only the CTA that arrived last holds the full sum; the others are done.
@@ -658,26 +604,24 @@ class WgmmaGemm:
         w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
         prologue = min(t.stages, k_tiles)
-        KS = t.split_k if 'ileave' in DIAG else 1
         # Weights need nothing from the previous kernel: the ring's first tiles start before the PDL wait. Each
         # slot's barrier expects both tiles' bytes, so it completes once the activations land too.
         for s in cutlass.range_constexpr(prologue):
             mainloop.producer_acquire(state)  # the ring starts empty: no wait
-            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + s * KS, s, mainloop.producer_get_barrier(state), w_policy)
+            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + s, s, mainloop.producer_get_barrier(state), w_policy)
             state.advance()
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
             # The CTA releases the next kernel here, once x is complete: its weight prologue overlaps our tail.
             cute.arch.griddepcontrol_launch_dependents()
-        for s in cutlass.range_constexpr(0 if 'nox' in DIAG else prologue):
-            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + s * KS, s, mainloop.sync_object_full.get_barrier(s),
+        for s in cutlass.range_constexpr(prologue):
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + s, s, mainloop.sync_object_full.get_barrier(s),
                          x_policy)
         for k in cutlass.range(prologue, k_tiles, unroll=1):
             mainloop.producer_acquire(state)
             bar = mainloop.producer_get_barrier(state)
-            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k * KS, state.index, bar, w_policy)
-            if cutlass.const_expr('nox' not in DIAG):
-                self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k * KS, state.index, bar, x_policy)
+            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
 
     def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
@@ -735,104 +679,6 @@ class WgmmaGemm:
         if self.tactic.tokens_on_m:
             return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
         return tile
-
-    def _cluster_sync(self) -> None:
-        """Barrier of every thread of the cluster's CTAs: shared-memory writes before it (release) are visible to
-        every CTA of the cluster after it (acquire)."""
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-
-    @cute.jit
-    def _reduce_in_cluster(self, acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, rank):
-        """In-cluster split-K: stage this CTA's fp32 partial (the MMA's whole tile, token-major) in its drained ring;
-        once every split's is there, sum share ``rank`` of the tile's 8-row vectors from every CTA's ring in split
-        order (as :meth:`_reduce_split_k` does) and store them as bf16. Only real tokens' and rows' vectors are read
-        and stored. The second cluster barrier keeps every ring alive until the whole cluster has read it."""
-        t = self.tactic
-        self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
-        stride = t.mma_rows + 4 if 'pad' in DIAG else t.mma_rows
-        s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
-                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, stride)))
-        thr_mma.partition_C(s_p).store(acc.load())
-        self._cluster_sync()
-        vec = (ELEMS_PER_COPY, 1)
-        v_g, v_c = cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
-        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), g_o.element_type, num_bits_per_copy=COPY_BITS)
-        row_vectors = t.block_n // ELEMS_PER_COPY
-        vectors = row_vectors * t.block_t  # vector i: rows 8 (i % row_vectors) .. + 7 of token i // row_vectors
-        share = -(-vectors // t.split_k)
-        total = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), cutlass.Float32)
-        out = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), g_o.element_type)
-        for j in cutlass.range_constexpr(-(-share // t.consumer_threads)):
-            v = j * t.consumer_threads + tidx
-            i = rank * share + v
-            if v < share and i < vectors:
-                if self._in_bounds(v_c[(0, i)], m_tokens):
-                    # Every split's loads are issued before the first add: one wait for the cluster, not split_k.
-                    base = s_p.iterator + (i % row_vectors) * ELEMS_PER_COPY + (i // row_vectors) * stride
-                    parts = [load_peer_f32x4(base, split) + load_peer_f32x4(base + VECTOR_FLOATS, split)
-                             for split in range(t.split_k)]
-                    for e in cutlass.range_constexpr(ELEMS_PER_COPY):
-                        value = parts[0][e]
-                        for split in cutlass.range_constexpr(1, t.split_k):
-                            value = value + parts[split][e]
-                        total[e] = value
-                    out.store(total.load().to(g_o.element_type))
-                    cute.copy(store, out, v_g[(None, i)])
-        self._cluster_sync()
-
-    @cute.jit
-    def _exchange_in_cluster(self, acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, rank):
-        """In-cluster split-K of 2 by fragment exchange: CTA ``rank`` owns token groups of 8 [0, first) (rank 0) or
-        [first, groups) (rank 1). Each thread sends the fragment elements of the token groups its peer owns into
-        the peer's drained ring, in fragment order (conflict-free 16-byte stores), adds the ones it received to
-        its own and stores the owned tokens as bf16."""
-        t = self.tactic
-        groups = t.mma_tokens // 8
-        first = -(-groups // 2)
-        per_group = 4  # fragment elements per 8-token group: rows r, r + 8 x tokens 2c, 2c + 1
-        buf = cute.recast_ptr(ring, dtype=cutlass.Float32)
-        buf_floats = t.consumer_threads * per_group * first
-        s_o = cute.make_tensor(ring + buf_floats * 2,
-                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
-        self._consumers_sync()
-        self._cluster_sync()  # every CTA's ring is free
-        warp_rows = (tidx // 128) * ATOM_ROWS + ((tidx // 32) % 4) * 16
-        if warp_rows < t.block_n:
-            if rank == 0:
-                for g in cutlass.range_constexpr(first, groups):
-                    dst = buf + ((g - first) * t.consumer_threads + tidx) * per_group
-                    store_peer_f32x4(dst, 1, [acc[g * per_group + e] for e in range(per_group)])
-            else:
-                for g in cutlass.range_constexpr(first):
-                    dst = buf + (g * t.consumer_threads + tidx) * per_group
-                    store_peer_f32x4(dst, 0, [acc[g * per_group + e] for e in range(per_group)])
-        self._cluster_sync()  # every peer's elements have landed
-        if rank == 0:
-            for g in cutlass.range_constexpr(first):
-                src = buf + (g * t.consumer_threads + tidx) * per_group
-                for e in cutlass.range_constexpr(per_group):
-                    acc[g * per_group + e] = acc[g * per_group + e] + cute.arch.load(src + e, cutlass.Float32)
-        else:
-            for g in cutlass.range_constexpr(first, groups):
-                src = buf + ((g - first) * t.consumer_threads + tidx) * per_group
-                for e in cutlass.range_constexpr(per_group):
-                    acc[g * per_group + e] = acc[g * per_group + e] + cute.arch.load(src + e, cutlass.Float32)
-        thr_mma.partition_C(s_o).store(acc.load().to(s_o.element_type))
-        self._consumers_sync()
-        s_o = cute.local_tile(s_o, (t.block_n, t.block_t), (0, 0))
-        vec = (ELEMS_PER_COPY, 1)
-        v_s, v_g, v_c = cute.zipped_divide(s_o, vec), cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
-        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_o.element_type, num_bits_per_copy=COPY_BITS)
-        row_vectors = t.block_n // ELEMS_PER_COPY
-        vectors = row_vectors * t.block_t
-        share = first * 8 * row_vectors
-        for j in cutlass.range_constexpr(-(-share // t.consumer_threads)):
-            v = j * t.consumer_threads + tidx
-            i = rank * share + v
-            if v < share and i < vectors:
-                if self._in_bounds(v_c[(0, i)], m_tokens):
-                    cute.copy(store, v_s[(None, i)], v_g[(None, i)])
 
     def _consumers_sync(self) -> None:
         """Barrier of the consumer warpgroups only (the producer warp may have exited)."""
