@@ -64,15 +64,25 @@ def test_the_side_chain_takes_the_sms_qkvg_leaves():
 def test_above_64_tokens_the_side_chain_is_swap_ab_with_f_a_resident():
     plan = plan_stage(_swap_ab(128, stages=8), *SHAPES)
     assert plan.side == 4 and plan.fb_resident
-    assert (plan.fab.block_n, plan.fab.padded_rows, plan.fab.block_t) == (40, True, 128)
-    assert plan.fab.stages == 9  # the deepest ring of 40 rows and 128 tokens in an SM's shared memory
+    # F_A/beta's 144 rows in 2 row blocks of 72 (two atoms, one warpgroup), each split along K over a cluster of 2.
+    assert (plan.fab.block_n, plan.fab.padded_rows, plan.fab.block_t) == (72, True, 128)
+    assert plan.fab.in_cluster and plan.fab.split_k == 2 and plan.fab.consumer_warpgroups == 1
+    assert plan.fab.stages == 7  # the deepest ring of 128 MMA rows and 128 tokens in an SM's shared memory
     # F_B's 1536 rows: 6 passes of 64 per side-chain CTA, f_a's [128, 128] tile loaded once beside their W_fb tiles.
     assert (plan.fb.block_n, plan.fb.block_t, plan.fb.stages, plan.fb_passes) == (64, 128, 2, 6)
     assert plan.fb_smem_bytes() == (6 * 128 * 64 + 128 * 128 + 64 * 128) * 2
     assert plan.fb_barriers() == 6
     stage = WgmmaStage(_swap_ab(128, stages=8), *SHAPES)
-    assert stage.barriers() == 2 * 9 + 6
-    assert stage.smem_bytes() == RING_OFFSET_BYTES + 9 * plan.fab.slot_bytes()
+    assert stage.barriers() == 2 * 8 + 6
+    assert stage.smem_bytes() == RING_OFFSET_BYTES + 7 * plan.fab.slot_bytes()
+
+
+def test_above_128_tokens_the_swap_ab_side_chain_runs_f_a_beta_unsplit():
+    # Two atoms of 256 tokens would need 256 accumulator registers per thread: 40-row blocks over all of K instead.
+    plan = plan_stage(_swap_ab(256), *SHAPES)
+    assert (plan.fab.block_n, plan.fab.split_k, plan.fab.block_t) == (40, 1, 256)
+    # Tokens on M (up to 64 tokens) keeps 40-row blocks over all of K: its side chain ends before QKVG.
+    assert not plan_stage(_tactic(64), *SHAPES).fab.in_cluster
 
 
 @pytest.mark.parametrize("m", [72, 256])
@@ -168,17 +178,17 @@ def _calls(m, capability=(9, 0), w_row_stride=None, fb_x_row_stride=None, g=G):
             for role, (n, k, xs, ws) in shapes.items()}
 
 
-@pytest.mark.parametrize("m", [1, 17, 64, 65, 96])
-def test_the_cute_provider_fuses_tp8_hopper_stages_up_to_96_tokens(m):
+@pytest.mark.parametrize("m", [1, 17, 64, 65, 96, 128])
+def test_the_cute_provider_fuses_tp8_hopper_stages_up_to_128_tokens(m):
     assert CuteDslProvider().why_not_fused(_calls(m)) is None
 
 
 @pytest.mark.parametrize(("calls", "reason"), [
-    (_calls(97), "fused stage: M=97 above its token tile"),
+    (_calls(129), "fused stage: M=129 above its token tile"),
     (_calls(16, capability=(10, 0)), "fused stage: compute capability (10, 0) not in SM (9,)"),
     (_calls(16, w_row_stride=G.packed_rows + 8), "fused stage: x and the weights must have contiguous rows"),
     (_calls(16, fb_x_row_stride=G.head_dim), "fused stage: F_B reads F_A from another buffer"),
-], ids=["m-97", "blackwell", "strided-weights", "f_a-elsewhere"])
+], ids=["m-129", "blackwell", "strided-weights", "f_a-elsewhere"])
 def test_the_cute_provider_says_why_it_does_not_fuse(calls, reason):
     assert CuteDslProvider().why_not_fused(calls).startswith(reason)
 

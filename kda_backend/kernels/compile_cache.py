@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kda_backend.kernels import l2_cache_policy, side_chain_gemm, skinny_gemm, wgmma_gemm, wgmma_stage
+from kda_backend.kernels import cluster_smem, l2_cache_policy, side_chain_gemm, skinny_gemm, wgmma_gemm, wgmma_stage
 from kda_backend.kernels.arrival_counters import CHAIN_COUNTERS
 from kda_backend.kernels.side_chain_gemm import SideChainGemm, StageGemm
 from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
@@ -236,7 +236,7 @@ def _compile_side_chain(key: SideChainKey | StageKey) -> Any:
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 # Every file whose code is traced into a compiled kernel, and this one (how it compiles).
 KERNEL_SOURCES = (skinny_gemm.__file__, wgmma_gemm.__file__, side_chain_gemm.__file__, wgmma_stage.__file__,
-                  l2_cache_policy.__file__, __file__)
+                  l2_cache_policy.__file__, cluster_smem.__file__, __file__)
 
 
 def fingerprint(key: KernelKey) -> str:

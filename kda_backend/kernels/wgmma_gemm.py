@@ -11,7 +11,10 @@ the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs str
 128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored. Under swap-AB a CTA
 may as well own fewer rows than the 64-row atom (:attr:`WgmmaTactic.padded_rows`): the weights arrive in boxes of 8
 rows and the atom's padding rows are never loaded, never stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one
-warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on.
+warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Padded rows may also
+fill two atoms (65 to 120 rows in one warpgroup) split along K in a thread-block cluster of :data:`CLUSTER_SPLIT_K`:
+each CTA loads half the activations. The fused stage's F_A/beta takes that form above 64 tokens
+(:mod:`kda_backend.kernels.wgmma_stage`); for QKVG alone it ran slower than 48-row CTAs.
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -25,7 +28,8 @@ warpgroup reading each activation tile once, where tokens on M need two from 65 
   before. No cross-warp reduction and no floating-point atomics, so results are bitwise deterministic; split-K
   (:attr:`WgmmaTactic.split_k`) sums its partials in split order inside the kernel, with the protocol of
   :class:`~kda_backend.kernels.skinny_gemm.Tactic`'s split-K (fp32 workspace, per-tile arrival counters that the
-  last CTA resets).
+  last CTA resets), or with padded rows within the tile's thread-block cluster: each CTA stages its partial in its
+  drained ring and sums its share of the tile from every CTA's through distributed shared memory.
 - Programmatic dependent launch: the producer issues the weight tiles of the prologue before
   ``griddepcontrol.wait``, so they stream while the previous kernel (which produced x) drains; only activation
   loads wait for it.
@@ -52,6 +56,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass.utils import hopper_helpers
 
 from kda_backend.kernels.arrival_counters import SPLIT_K_COUNTERS
+from kda_backend.kernels.cluster_smem import VECTOR_FLOATS, load_peer_f32x4
 from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_policy
 from kda_backend.kernels.skinny_gemm import (
     COPY_BITS,
@@ -75,6 +80,9 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 BOX_ROWS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
+# Padded-rows CTAs of two atoms split K in a cluster of this many, each loading half the activations: the fused
+# stage's F_A/beta above 64 tokens, so that it ends well before QKVG (see wgmma_stage.PADDED_ROWS_STAGES).
+CLUSTER_SPLIT_K = 2
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -102,8 +110,9 @@ class WgmmaTactic(SplitKSchedule):
     """One specialization of the kernel.
 
     :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
-        each), or a multiple of 8 below 64 in one padded atom (64-element K-tiles, no split-K); with ``tokens_on_m``
-        any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
+        each), or a multiple of 8 below 64 in one padded atom (64-element K-tiles, no split-K), or between 64 and 128
+        in two atoms, the second padded (one warpgroup, split along K in a cluster of :data:`CLUSTER_SPLIT_K`); with
+        ``tokens_on_m`` any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
         row block is partial (its rows past N are zero-filled and never stored).
     :param block_k: K elements per pipeline stage (64: one 128-byte swizzle atom, or 128), dividing K.
     :param block_t: tokens per CTA, a multiple of 8: the ``wgmma`` N, up to 256; with ``tokens_on_m`` up to
@@ -113,6 +122,8 @@ class WgmmaTactic(SplitKSchedule):
     :param split_k: CTAs sharing one output tile along K (grid z), for N too small to give every SM a row block.
         Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
         counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
+        With :attr:`padded_rows` the tile's CTAs form one thread-block cluster instead (:attr:`in_cluster`): each
+        stages its partial in its drained ring and sums its share of the tile from every CTA's, in split order.
     :param tokens_on_m: the tokens fill the MMA's M side and the weight rows its N side, instead of swap-AB
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
@@ -131,17 +142,34 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def padded_rows(self) -> bool:
-        """Swap-AB with fewer weight rows than one ``wgmma`` atom's 64: the rows arrive in boxes of 8 and the MMA's
-        padding rows stay unloaded and unstored, as the tokens do with ``tokens_on_m``."""
-        return not self.tokens_on_m and self.block_n < ATOM_ROWS
+        """Swap-AB with weight rows that do not fill whole ``wgmma`` atoms of 64: the rows arrive in boxes of 8 and
+        the MMA's padding rows stay unloaded and unstored, as the tokens do with ``tokens_on_m``."""
+        return not self.tokens_on_m and self.block_n % ATOM_ROWS != 0
 
     @property
     def mma_rows(self) -> int:
-        """Weight rows one CTA's MMAs cover: ``block_n``, or one 64-row atom where :attr:`padded_rows`."""
-        return ATOM_ROWS if self.padded_rows else self.block_n
+        """Weight rows one CTA's MMAs cover: ``block_n``, or where :attr:`padded_rows` whole 64-row atoms (the
+        rows fill them in order, the last atom's tail is padding)."""
+        return -(-self.block_n // ATOM_ROWS) * ATOM_ROWS if self.padded_rows else self.block_n
+
+    @property
+    def in_cluster(self) -> bool:
+        """Whether the split-K partials are summed in a thread-block cluster (padded rows), not a workspace."""
+        return self.split_k > 1 and self.padded_rows
+
+    @property
+    def uses_workspace(self) -> bool:
+        """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
+        return self.split_k > 1 and not self.in_cluster
+
+    def partial_bytes(self) -> int:
+        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile (0 otherwise)."""
+        return self.mma_rows * self.mma_tokens * 4 if self.in_cluster else 0
 
     @property
     def consumer_warpgroups(self) -> int:
+        if self.padded_rows:
+            return 1  # both atoms of padded rows in one warpgroup (as fast as two, and the fused stage's width)
         rows = self.block_t if self.tokens_on_m else self.block_n
         return 1 if rows <= ATOM_ROWS else 2
 
@@ -171,8 +199,8 @@ class WgmmaTactic(SplitKSchedule):
         return (self.mma_rows + self.mma_tokens) * self.block_k * 2
 
     def smem_bytes(self) -> int:
-        """The ring after the barrier area (the output tile reuses the drained ring)."""
-        return RING_OFFSET_BYTES + self.stages * self.slot_bytes()
+        """The ring after the barrier area (the output tile and an in-cluster partial reuse the drained ring)."""
+        return RING_OFFSET_BYTES + max(self.stages * self.slot_bytes(), self.partial_bytes())
 
     def with_activations_from_l2(self) -> WgmmaTactic:
         """Itself: the TMA unit reads activations from L2 already (API parity with
@@ -206,12 +234,15 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
     elif t.padded_rows:
-        if t.block_n % 8 or t.block_n < 8:
-            return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
+        if t.block_n % 8 or not 8 <= t.block_n < 2 * ATOM_ROWS:
+            return (f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {2 * ATOM_ROWS} "
+                    "(padded atoms)")
         if t.block_k != 64:
-            return f"block_k={t.block_k}: rows below {ATOM_ROWS} load in 8-row boxes of one 64-element swizzle atom"
-        if t.split_k != 1:
-            return f"split_k={t.split_k}: rows below {ATOM_ROWS} run unsplit (their narrow CTAs fill the SMs)"
+            return f"block_k={t.block_k}: padded rows load in 8-row boxes of one 64-element swizzle atom"
+        split = CLUSTER_SPLIT_K if t.block_n > ATOM_ROWS else 1
+        if t.split_k != split:
+            return (f"split_k={t.split_k}: {t.block_n} padded rows run with split_k={split} (below {ATOM_ROWS} rows "
+                    f"unsplit, above it split along K in a cluster of {CLUSTER_SPLIT_K})")
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
@@ -314,7 +345,9 @@ def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     CTA per SM allows (at most 12 K-tiles); none where that is 64 rows or more or 64-element K-tiles do not divide K.
     Measured on H200 for Kimi-K3 TP 8 QKVG alone (`benchmarks/results/levers/wgmma-padded-rows.log`): 22.40-22.58 /
     23.38 / 24.42-24.47 / 25.94 us at M = 72 / 96 / 112 / 128, 1.04-1.22x its floor, against 24.44 / 26.77 / - /
-    31.89 for tokens-on-M CTAs of 48 rows in the same runs."""
+    31.89 for tokens-on-M CTAs of 48 rows in the same runs. Twice the rows split along K in a cluster (as many CTAs,
+    half the activations each) ran slower alone (benchmarks/results/levers/wgmma-padded-rows-split-in-cluster.log),
+    so only the fused stage's F_A/beta takes that form."""
     rows = tokens_on_m_rows(n)
     if rows >= ATOM_ROWS or k % 64:
         return []
@@ -463,7 +496,8 @@ class WgmmaGemm:
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=[1, 1, t.split_k] if t.in_cluster else None,
+                 smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -552,6 +586,10 @@ class WgmmaGemm:
 
         if warp == t.consumer_threads // 32:
             self._produce(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidx, bidy, k_first, k_tiles)
+            if cutlass.const_expr(t.in_cluster):
+                # The cluster barriers count every thread: the producer waits out both, see _reduce_in_cluster.
+                self._cluster_sync()
+                self._cluster_sync()
         else:
             # The consumers never release the next launch: a CTA's first launch_dependents is the one that counts,
             # and it must come after the producer's wait for x (a side chain launched behind QKVG with x_ready loads
@@ -562,7 +600,9 @@ class WgmmaGemm:
             s_o = cute.make_tensor(ring, cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
-            if cutlass.const_expr(t.split_k > 1):
+            if cutlass.const_expr(t.in_cluster):
+                self._reduce_in_cluster(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, bidz)
+            elif cutlass.const_expr(t.split_k > 1):
                 self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
                                      bidx, bidy, bidz, tidx)
                 # Only the CTA that arrived last holds the full sum; the others are done.
@@ -679,6 +719,50 @@ class WgmmaGemm:
         if self.tactic.tokens_on_m:
             return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
         return tile
+
+    def _cluster_sync(self) -> None:
+        """Barrier of every thread of the cluster's CTAs: shared-memory writes before it (release) are visible to
+        every CTA of the cluster after it (acquire)."""
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def _reduce_in_cluster(self, acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, rank):
+        """In-cluster split-K: stage this CTA's fp32 partial (the MMA's whole tile, token-major) in its drained ring;
+        once every split's is there, sum share ``rank`` of the tile's 8-row vectors from every CTA's ring in split
+        order (as :meth:`_reduce_split_k` does) and store them as bf16. Only real tokens' and rows' vectors are read
+        and stored. The second cluster barrier keeps every ring alive until the whole cluster has read it."""
+        t = self.tactic
+        self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
+        s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
+                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
+        thr_mma.partition_C(s_p).store(acc.load())
+        self._cluster_sync()
+        vec = (ELEMS_PER_COPY, 1)
+        v_g, v_c = cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), g_o.element_type, num_bits_per_copy=COPY_BITS)
+        row_vectors = t.block_n // ELEMS_PER_COPY
+        vectors = row_vectors * t.block_t  # vector i: rows 8 (i % row_vectors) .. + 7 of token i // row_vectors
+        share = -(-vectors // t.split_k)
+        total = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), cutlass.Float32)
+        out = cute.make_rmem_tensor(cute.make_layout(ELEMS_PER_COPY), g_o.element_type)
+        for j in cutlass.range_constexpr(-(-share // t.consumer_threads)):
+            v = j * t.consumer_threads + tidx
+            i = rank * share + v
+            if v < share and i < vectors:
+                if self._in_bounds(v_c[(0, i)], m_tokens):
+                    # Every split's loads are issued before the first add: one wait for the cluster, not split_k.
+                    base = s_p.iterator + (i % row_vectors) * ELEMS_PER_COPY + (i // row_vectors) * t.mma_rows
+                    parts = [load_peer_f32x4(base, split) + load_peer_f32x4(base + VECTOR_FLOATS, split)
+                             for split in range(t.split_k)]
+                    for e in cutlass.range_constexpr(ELEMS_PER_COPY):
+                        value = parts[0][e]
+                        for split in cutlass.range_constexpr(1, t.split_k):
+                            value = value + parts[split][e]
+                        total[e] = value
+                    out.store(total.load().to(g_o.element_type))
+                    cute.copy(store, out, v_g[(None, i)])
+        self._cluster_sync()
 
     def _consumers_sync(self) -> None:
         """Barrier of the consumer warpgroups only (the producer warp may have exited)."""

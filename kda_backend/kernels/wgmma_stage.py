@@ -12,8 +12,10 @@ warpgroups as QKVG's:
   waits for F_A/beta like a side-chain CTA and computes one row block of F_B (Kimi-K3 TP 4: 24 rows on each of
   128 CTAs);
 - swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), any token tile up to 256 (the MMA's
-  N), served from 65 to :data:`FUSED_MAX_M` tokens: F_B in 64-row passes over a resident f_a tile: f_a and every
-  pass's W_fb tiles load at once, one mbarrier per pass, and the passes' MMAs run as their tiles land.
+  N), served from 65 to :data:`FUSED_MAX_M` tokens: F_A/beta's row blocks split along K over pairs of side-chain
+  CTAs in a thread-block cluster (twice the rows in two atoms, half the activations each, the partials summed
+  through distributed shared memory), then F_B in 64-row passes over a resident f_a tile: f_a and every pass's W_fb
+  tiles load at once, one mbarrier per pass, and the passes' MMAs run as their tiles land.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
@@ -46,6 +48,8 @@ from kda_backend.kernels.l2_cache_policy import EVICT_FIRST, EVICT_LAST, l2_poli
 from kda_backend.kernels.skinny_gemm import MAX_SMEM_BYTES, row_blocks
 from kda_backend.kernels.wgmma_gemm import (
     ATOM_ROWS,
+    CLUSTER_SPLIT_K,
+    MAX_ACC_REGISTERS,
     MAX_STAGES,
     RING_OFFSET_BYTES,
     SMS,
@@ -85,7 +89,7 @@ TOKENS_ON_M_MAX_M = 64
 # the passes end within QKVG's time, the tail ran 0.4-1.4 us slower, and at TP 8 0.6-1.1 us slower.
 WIDE_TOKENS_ON_M_STAGES = ((128, 7),)  # (largest token tile, slots)
 WIDE_TOKENS_ON_M_MAX_M = WIDE_TOKENS_ON_M_STAGES[-1][0]
-PADDED_ROWS_STAGES = ((80, 8), (96, 7))  # (largest token tile, slots)
+PADDED_ROWS_STAGES = ((80, 8), (128, 7))  # (largest token tile, slots)
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
 FB_PASSES = 2  # tokens_on_m: the fewest F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
@@ -168,9 +172,17 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t, d // 64, pdl=False)
     # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
-    # a QKVG CTA, it finishes before QKVG and leaves that time to F_B (under swap-AB above 64 tokens only a little
-    # before: there every token's activations are most of what either CTA loads, see PADDED_ROWS_STAGES).
+    # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB every token's activations are
+    # most of what either CTA loads, so there pairs of side-chain CTAs split F_A/beta's row blocks along K in a
+    # cluster (twice the rows, half the activations each; see PADDED_ROWS_STAGES).
     fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1)
+    if not tactic.tokens_on_m and side % CLUSTER_SPLIT_K == 0 and (side + qkvg_ctas) % CLUSTER_SPLIT_K == 0:
+        pair_block = -(-fab_rows // (side // CLUSTER_SPLIT_K * 8)) * 8
+        pair = dataclasses.replace(tactic, block_n=pair_block, split_k=CLUSTER_SPLIT_K, stages=1)
+        # Two atoms' accumulators in one warpgroup: up to 128 tokens.
+        if ATOM_ROWS < pair_block < 2 * ATOM_ROWS and (k // 64) % CLUSTER_SPLIT_K == 0 and \
+                pair.acc_registers() <= MAX_ACC_REGISTERS:
+            fab_probe = pair
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
@@ -248,7 +260,7 @@ class WgmmaStage:
     def smem_bytes(self) -> int:
         """The barrier area, then the largest shared memory of the three GEMMs (:meth:`StagePlan.fb_smem_bytes`)."""
         p = self.plan
-        rings = (p.qkvg.stages * p.qkvg.slot_bytes(), p.fab.stages * p.fab.slot_bytes(), p.fb_smem_bytes())
+        rings = (p.qkvg.stages * p.qkvg.slot_bytes(), p.fab.smem_bytes() - RING_OFFSET_BYTES, p.fb_smem_bytes())
         return RING_OFFSET_BYTES + max(rings)
 
     def barriers(self) -> int:
@@ -279,8 +291,11 @@ class WgmmaStage:
         b_ops = self.fb._operands(m_w_fb, m_fa)
         outs = [cute.make_tensor(o.iterator, cute.select(o.layout, mode=[1, 0])) for o in (m_qkvg, m_fab, m_g1)]
         grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n), 1, 1)
+        # F_A/beta split in clusters: every CTA of the grid is in one (QKVG's pairs just never synchronize).
+        cluster = [CLUSTER_SPLIT_K, 1, 1] if p.fab.in_cluster else None
         self.stage_kernel(*q_ops, *f_ops, *b_ops, *outs, m_chain).launch(
-            grid=grid, block=[p.qkvg.threads, 1, 1], smem=self.smem_bytes(), stream=stream, use_pdl=p.qkvg.pdl
+            grid=grid, block=[p.qkvg.threads, 1, 1], cluster=cluster, smem=self.smem_bytes(), stream=stream,
+            use_pdl=p.qkvg.pdl,
         )
 
     @cute.kernel
@@ -330,8 +345,13 @@ class WgmmaStage:
                 if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
                     self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx * p.fb_passes, p.fb_passes)
             mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
-            self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
-                                   None, None, None, f_mma, warp, tidx, bidx, 0, 0)
+            if cutlass.const_expr(p.fab.in_cluster):  # row block bidx // 2, K-half (cluster rank) bidx % 2
+                self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring,
+                                       m_fab_t, None, None, None, f_mma, warp, tidx, bidx // CLUSTER_SPLIT_K, 0,
+                                       bidx % CLUSTER_SPLIT_K)
+            else:
+                self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring,
+                                       m_fab_t, None, None, None, f_mma, warp, tidx, bidx, 0, 0)
             if cutlass.const_expr(p.fb_tail):
                 self._count_in(m_chain, tidx)
             else:
