@@ -77,11 +77,10 @@ def test_threads_and_shared_memory():
     "tactic,n,k,xs,match",
     [
         (WgmmaTactic(), 100, K, K, "N=100 must be a multiple of 8"),
-        (WgmmaTactic(block_n=192), QKVG_TP8, K, K, "block_n=192 must be one of (64, 128, 256), or a multiple of 8"),
+        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be one of (64, 128, 256), or a multiple of 8"),
         (WgmmaTactic(block_n=44), QKVG_TP8, K, K, "block_n=44 must be one of (64, 128, 256), or a multiple of 8"),
-        (WgmmaTactic(block_n=48, block_k=128, stages=4), QKVG_TP8, K, K, "padded rows load in 8-row boxes"),
-        (WgmmaTactic(block_n=48, split_k=2), QKVG_TP8, K, K, "split_k=2: 48 padded rows run with split_k=1"),
-        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "split_k=1: 96 padded rows run with split_k=2"),
+        (WgmmaTactic(block_n=48, block_k=128, stages=4), QKVG_TP8, K, K, "rows below 64 load in 8-row boxes"),
+        (WgmmaTactic(block_n=48, split_k=4), QKVG_TP8, K, K, "split_k=4: rows below 64 run unsplit or split in a"),
         (WgmmaTactic(block_k=256), QKVG_TP8, K, K, "block_k=256 must be 64 or 128"),
         (WgmmaTactic(block_k=128, stages=4), QKVG_TP8, 7104, 7104, "dividing K=7104"),
         (WgmmaTactic(block_t=20), QKVG_TP8, K, K, "block_t=20 must be a multiple of 8"),
@@ -110,21 +109,16 @@ def test_rows_below_one_atom_pad_the_mma_not_the_loads():
     assert not WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).padded_rows
 
 
-def test_twice_the_padded_rows_split_k_in_a_cluster_without_workspace():
-    """96 rows in two atoms (the second padded) over half of K: as many CTAs as unsplit 48-row ones, no workspace or
-    counters, one consumer warpgroup for both atoms, the fp32 partial of the MMA's whole tile staged in the drained
-    ring."""
-    tactic = WgmmaTactic(96, 64, 128, 7, split_k=2)
+def test_padded_rows_split_k_in_a_cluster_without_workspace():
+    """Padded rows over half of K each: no workspace or counters, the fp32 partial of the MMA's whole tile staged in
+    the drained ring."""
+    tactic = WgmmaTactic(24, 64, 128, 9, split_k=2)
     assert tactic.padded_rows and tactic.in_cluster and not tactic.uses_workspace
-    assert tactic.key() == "w96k64t128s7x2p" and tactic.mma_rows == 128 and tactic.consumer_warpgroups == 1
-    assert tactic.ctas(QKVG_TP8, 128) == WgmmaTactic(48, 64, 128, 9).ctas(QKVG_TP8, 128) == 128
-    assert tactic.stage_bytes() == (96 + 128) * 64 * 2 and tactic.slot_bytes() == (128 + 128) * 64 * 2
-    assert tactic.acc_registers() == 128 and tactic.partial_bytes() == 128 * 128 * 4
-    assert "needs 256 accumulator registers" in validate_wgmma_tactic(WgmmaTactic(96, 64, 256, 3, split_k=2),
-                                                                     QKVG_TP8, K, K)
-    assert dataclasses.replace(tactic, stages=1).smem_bytes() == 1024 + 128 * 128 * 4
-    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
-    assert not WgmmaTactic(64, 64, 64, 8, split_k=2).in_cluster and not WgmmaTactic(48, 64, 64, 8).in_cluster
+    assert tactic.key() == "w24k64t128s9x2p" and tactic.ctas(FAB, 128) == 12
+    assert tactic.partial_bytes() == 64 * 128 * 4 and WgmmaTactic(24, 64, 128, 9).partial_bytes() == 0
+    assert dataclasses.replace(tactic, stages=1).smem_bytes() == 1024 + 64 * 128 * 4
+    assert validate_wgmma_tactic(tactic, FAB, K, K) is None
+    assert not WgmmaTactic(64, 64, 64, 8, split_k=2).in_cluster and WgmmaTactic(64, 64, 64, 8, split_k=2).uses_workspace
 
 
 def test_the_autotuner_times_the_padded_rows_tactic_where_a_row_block_is_below_one_atom():
@@ -218,8 +212,7 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True), 136),
     (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
     (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
-    (WgmmaTactic(96, 64, 128, 7, split_k=2), QKVG_TP8),
-    (WgmmaTactic(80, 64, 72, 6, split_k=2, pdl=False), 152),
+    (WgmmaTactic(24, 64, 128, 9, split_k=2), FAB),
 ]
 
 
@@ -298,7 +291,7 @@ def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
                                     WgmmaTactic(48, 64, 104, 8, tokens_on_m=True),
-                                    WgmmaTactic(96, 64, 104, 7, split_k=2)],
+                                    WgmmaTactic(24, 64, 104, 9, split_k=2)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""
@@ -361,10 +354,9 @@ def test_rows_below_one_atom_match_reference_with_partial_row_blocks(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 17, 72, 100, 128, 200], ids=lambda m: f"M{m}")
 def test_padded_rows_split_in_a_cluster_match_reference(m):
-    """Twice the padded rows over half of K each, summed in the cluster in split order (bit-identical relaunches):
-    the second atom's padding rows are never loaded and never stored; rows past N (152 rows in 80-row blocks)
-    neither; a token tile smaller than M runs along grid y."""
-    tile = min(m, 128)  # both atoms' accumulators in one warpgroup: token tiles up to 128
-    _check(WgmmaTactic(96, 64, 64, 4, split_k=2).for_tokens(tile), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(80, 64, 64, 4, split_k=2, pdl=False).for_tokens(tile), m, 152, seed=m)
-    _check(WgmmaTactic(96, 64, 8 * (m // 16) or 8, 6, split_k=2), m, QKVG_TP8, seed=m)
+    """Padded rows over half of K each, summed in the cluster in split order (bit-identical relaunches): the atom's
+    padding rows are never loaded and never stored; rows past N (152 rows in 48-row blocks) neither; a token tile
+    smaller than M runs along grid y."""
+    _check(WgmmaTactic(24, 64, 64, 4, split_k=2).for_tokens(m), m, FAB, seed=m)
+    _check(WgmmaTactic(48, 64, 64, 4, split_k=2, pdl=False).for_tokens(m), m, 152, seed=m)
+    _check(WgmmaTactic(56, 64, 8 * (m // 16) or 8, 6, split_k=2), m, QKVG_TP8, seed=m)

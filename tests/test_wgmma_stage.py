@@ -22,6 +22,7 @@ from kda_backend.kernels.wgmma_stage import (
     compile_stage,
     fused_stage_tactic,
     plan_stage,
+    split_side_chain,
     validate_stage,
 )
 
@@ -45,10 +46,16 @@ def _swap_ab(m, stages=5):
     return WgmmaTactic(48, 64, 64, stages).for_tokens(m)
 
 
+def _wide(m, stages=8):
+    """A swap-AB QKVG tactic of 56-row CTAs (110 at TP 8, 22 SMs left to the side chain), the token tile covering
+    ``m``."""
+    return WgmmaTactic(56, 64, 64, stages).for_tokens(m)
+
+
 def test_above_64_tokens_the_fused_stage_takes_swap_ab_qkvg():
     for m in (65, 80, FUSED_MAX_M):
         tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
-        assert tactic.padded_rows and tactic.block_n == 48 and tactic.block_t >= m
+        assert tactic.padded_rows and tactic.block_n == 56 and tactic.block_t >= m
         assert validate_stage(tactic, *SHAPES) is None
 
 
@@ -64,25 +71,35 @@ def test_the_side_chain_takes_the_sms_qkvg_leaves():
 def test_above_64_tokens_the_side_chain_is_swap_ab_with_f_a_resident():
     plan = plan_stage(_swap_ab(128, stages=8), *SHAPES)
     assert plan.side == 4 and plan.fb_resident
-    # F_A/beta's 144 rows in 2 row blocks of 72 (two atoms, one warpgroup), each split along K over a cluster of 2.
-    assert (plan.fab.block_n, plan.fab.padded_rows, plan.fab.block_t) == (72, True, 128)
-    assert plan.fab.in_cluster and plan.fab.split_k == 2 and plan.fab.consumer_warpgroups == 1
-    assert plan.fab.stages == 7  # the deepest ring of 128 MMA rows and 128 tokens in an SM's shared memory
+    assert (plan.fab.block_n, plan.fab.padded_rows, plan.fab.block_t) == (40, True, 128)
+    assert plan.fab.stages == 9  # the deepest ring of 40 rows and 128 tokens in an SM's shared memory
     # F_B's 1536 rows: 6 passes of 64 per side-chain CTA, f_a's [128, 128] tile loaded once beside their W_fb tiles.
     assert (plan.fb.block_n, plan.fb.block_t, plan.fb.stages, plan.fb_passes) == (64, 128, 2, 6)
     assert plan.fb_smem_bytes() == (6 * 128 * 64 + 128 * 128 + 64 * 128) * 2
     assert plan.fb_barriers() == 6
     stage = WgmmaStage(_swap_ab(128, stages=8), *SHAPES)
-    assert stage.barriers() == 2 * 8 + 6
-    assert stage.smem_bytes() == RING_OFFSET_BYTES + 7 * plan.fab.slot_bytes()
+    assert stage.barriers() == 2 * 9 + 6
+    assert stage.smem_bytes() == RING_OFFSET_BYTES + 9 * plan.fab.slot_bytes()
 
 
-def test_above_128_tokens_the_swap_ab_side_chain_runs_f_a_beta_unsplit():
-    # Two atoms of 256 tokens would need 256 accumulator registers per thread: 40-row blocks over all of K instead.
-    plan = plan_stage(_swap_ab(256), *SHAPES)
-    assert (plan.fab.block_n, plan.fab.split_k, plan.fab.block_t) == (40, 1, 256)
-    # Tokens on M (up to 64 tokens) keeps 40-row blocks over all of K: its side chain ends before QKVG.
-    assert not plan_stage(_tactic(64), *SHAPES).fab.in_cluster
+def test_where_qkvg_leaves_enough_sms_f_a_beta_splits_k_over_pairs_of_side_chain_ctas():
+    plan = plan_stage(_wide(128), *SHAPES)
+    # 110 QKVG CTAs leave 22 SMs: F_A/beta's 144 rows in 6 blocks of 24, each over a cluster of 2 (12 CTAs), and F_B's
+    # 1536 rows in 2 passes of 64 on each of them (the most side-chain CTAs F_B's passes divide).
+    assert plan.side == 12 and plan.fb_resident and plan.fb_passes == 2
+    assert (plan.fab.block_n, plan.fab.split_k, plan.fab.in_cluster, plan.fab.block_t) == (24, 2, True, 128)
+    assert plan.fab.stages == 9 and not plan.fab.uses_workspace
+    assert split_side_chain(110, 22, G.fab_rows, G.local_width, G.hidden_size) == (24, 12)
+    assert split_side_chain(128, 4, G.fab_rows, G.local_width, G.hidden_size) is None  # 48-row QKVG: 4 SMs left
+    assert split_side_chain(110, 22, G.fab_rows, G.local_width, 7104) is None  # 111 K-tiles do not halve
+    assert split_side_chain(111, 21, G.fab_rows, G.local_width, G.hidden_size) is None  # no pairing of the grid
+    stage = WgmmaStage(_wide(128), *SHAPES)
+    assert stage.smem_bytes() == RING_OFFSET_BYTES + 9 * plan.fab.slot_bytes()
+
+
+def test_the_side_chain_splits_only_under_swap_ab():
+    assert not plan_stage(_swap_ab(128), *SHAPES).fab.in_cluster  # 4 SMs left: 40-row blocks over all of K
+    assert not plan_stage(_tactic(48), *SHAPES).fab.in_cluster
 
 
 @pytest.mark.parametrize("m", [72, 256])
@@ -117,9 +134,13 @@ def test_compiles_through_the_kernel_cache_for_sm90a():
     assert key.qkvg == WgmmaTactic(48, 64, 40, 10, tokens_on_m=True)
     assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 49) == WgmmaTactic(48, 64, 56, 8, tokens_on_m=True)
     assert FUSED_STAGES[-1][0] == TOKENS_ON_M_MAX_M and PADDED_ROWS_STAGES[-1][0] == FUSED_MAX_M
-    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 65) == WgmmaTactic(48, 64, 72, PADDED_ROWS_STAGES[0][1])
+    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 65) == WgmmaTactic(56, 64, 72, PADDED_ROWS_STAGES[0][1])
+    assert plan_stage(fused_stage_tactic(G.qkvg_rows, G.hidden_size, 128), *SHAPES).fab.in_cluster
     assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, FUSED_MAX_M + 1) is None
     assert compile_gemm(key) is not None
+    split = FusedStageKey(fused_stage_tactic(G.qkvg_rows, G.hidden_size, 128), *SHAPES[:3], G.hidden_size,
+                          G.head_dim, 132, "sm_90a")
+    assert compile_gemm(split) is not None  # F_A/beta split in clusters, through the kernel cache
 
 
 def test_tp4_fuses_with_tokens_on_m_up_to_128_tokens():
@@ -156,14 +177,17 @@ def test_tp8_keeps_f_b_on_the_side_chain_ctas():
     assert not plan.fb_tail and plan.waiters(G.local_width) == plan.side == 4
 
 
-@pytest.mark.parametrize(("g", "m"), [(G4, 24), (G4, 128), (preset("kimi-k3", 16), 24)], ids=["tp4-24", "tp4-128",
-                                                                                             "tp16-24"])
+@pytest.mark.parametrize(("g", "m"), [(G4, 24), (G4, 128), (preset("kimi-k3", 16), 24), (preset("kimi-k3", 16), 128)],
+                         ids=["tp4-24", "tp4-128", "tp16-24", "tp16-128"])
 def test_tp4_and_tp16_stages_compile_for_sm90a(g, m):
     shapes = (g.qkvg_rows, g.fab_rows, g.local_width, g.hidden_size, g.head_dim)
     tactic = fused_stage_tactic(g.qkvg_rows, g.hidden_size, m)
     assert validate_stage(tactic, *shapes) is None
-    if g.tp_size == 16:  # 128 QKVG CTAs of 24 rows; F_A/beta's 144 rows in 4 blocks of 40, the last partial
+    if g.tp_size == 16 and m <= 64:  # 128 QKVG CTAs of 24 rows; F_A/beta's 144 rows in 4 blocks of 40, the last partial
         assert plan_stage(tactic, *shapes).fab.block_n == 40
+    if g.tp_size == 16 and m > 64:  # 96 swap-AB CTAs of 32 rows; F_A/beta split in clusters on 12 of the 36 SMs left
+        plan = plan_stage(tactic, *shapes)
+        assert tactic.block_n == 32 and plan.fab.in_cluster and plan.side == 12
     assert compile_stage(WgmmaStage(tactic, *shapes), "sm_90a") is not None
 
 
@@ -229,6 +253,7 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(m, _tactic) for m in (17, 24, 40, 64, 100, 128)]
                          + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)]
+                         + [(m, _wide) for m in (65, 72, 100, 128)]
                          + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
     kernel, g = _stage(tactic, m)
@@ -251,7 +276,7 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab),
+@pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab), (128, _wide),
                                            (256, _swap_ab), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
     kernel, g = _stage(tactic, m)

@@ -11,10 +11,9 @@ the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs str
 128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored. Under swap-AB a CTA
 may as well own fewer rows than the 64-row atom (:attr:`WgmmaTactic.padded_rows`): the weights arrive in boxes of 8
 rows and the atom's padding rows are never loaded, never stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one
-warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Padded rows may also
-fill two atoms (65 to 120 rows in one warpgroup) split along K in a thread-block cluster of :data:`CLUSTER_SPLIT_K`:
-each CTA loads half the activations. The fused stage's F_A/beta takes that form above 64 tokens
-(:mod:`kda_backend.kernels.wgmma_stage`); for QKVG alone it ran slower than 48-row CTAs.
+warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Such a CTA may also
+split K with its pair in a thread-block cluster of :data:`CLUSTER_SPLIT_K` (half the MMAs and activations each):
+the fused stage's F_A/beta does (:mod:`kda_backend.kernels.wgmma_stage`).
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -80,8 +79,8 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log).
 BOX_ROWS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
-# Padded-rows CTAs of two atoms split K in a cluster of this many, each loading half the activations: the fused
-# stage's F_A/beta above 64 tokens, so that it ends well before QKVG (see wgmma_stage.PADDED_ROWS_STAGES).
+# Padded-rows CTAs split K in a cluster of this many (split_k), each loading half the activations and issuing half
+# the MMAs: the fused stage's F_A/beta above 64 tokens (see wgmma_stage.split_side_chain).
 CLUSTER_SPLIT_K = 2
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
@@ -110,9 +109,9 @@ class WgmmaTactic(SplitKSchedule):
     """One specialization of the kernel.
 
     :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
-        each), or a multiple of 8 below 64 in one padded atom (64-element K-tiles, no split-K), or between 64 and 128
-        in two atoms, the second padded (one warpgroup, split along K in a cluster of :data:`CLUSTER_SPLIT_K`); with
-        ``tokens_on_m`` any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
+        each), or a multiple of 8 below 64 in one padded atom (64-element K-tiles, split-K in a cluster of
+        :data:`CLUSTER_SPLIT_K` or none); with ``tokens_on_m``
+        any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
         row block is partial (its rows past N are zero-filled and never stored).
     :param block_k: K elements per pipeline stage (64: one 128-byte swizzle atom, or 128), dividing K.
     :param block_t: tokens per CTA, a multiple of 8: the ``wgmma`` N, up to 256; with ``tokens_on_m`` up to
@@ -142,15 +141,14 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def padded_rows(self) -> bool:
-        """Swap-AB with weight rows that do not fill whole ``wgmma`` atoms of 64: the rows arrive in boxes of 8 and
-        the MMA's padding rows stay unloaded and unstored, as the tokens do with ``tokens_on_m``."""
-        return not self.tokens_on_m and self.block_n % ATOM_ROWS != 0
+        """Swap-AB with fewer weight rows than one ``wgmma`` atom's 64: the rows arrive in boxes of 8 and the MMA's
+        padding rows stay unloaded and unstored, as the tokens do with ``tokens_on_m``."""
+        return not self.tokens_on_m and self.block_n < ATOM_ROWS
 
     @property
     def mma_rows(self) -> int:
-        """Weight rows one CTA's MMAs cover: ``block_n``, or where :attr:`padded_rows` whole 64-row atoms (the
-        rows fill them in order, the last atom's tail is padding)."""
-        return -(-self.block_n // ATOM_ROWS) * ATOM_ROWS if self.padded_rows else self.block_n
+        """Weight rows one CTA's MMAs cover: ``block_n``, or one 64-row atom where :attr:`padded_rows`."""
+        return ATOM_ROWS if self.padded_rows else self.block_n
 
     @property
     def in_cluster(self) -> bool:
@@ -168,8 +166,6 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def consumer_warpgroups(self) -> int:
-        if self.padded_rows:
-            return 1  # both atoms of padded rows in one warpgroup (as fast as two, and the fused stage's width)
         rows = self.block_t if self.tokens_on_m else self.block_n
         return 1 if rows <= ATOM_ROWS else 2
 
@@ -234,15 +230,13 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
     elif t.padded_rows:
-        if t.block_n % 8 or not 8 <= t.block_n < 2 * ATOM_ROWS:
-            return (f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {2 * ATOM_ROWS} "
-                    "(padded atoms)")
+        if t.block_n % 8 or t.block_n < 8:
+            return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
         if t.block_k != 64:
-            return f"block_k={t.block_k}: padded rows load in 8-row boxes of one 64-element swizzle atom"
-        split = CLUSTER_SPLIT_K if t.block_n > ATOM_ROWS else 1
-        if t.split_k != split:
-            return (f"split_k={t.split_k}: {t.block_n} padded rows run with split_k={split} (below {ATOM_ROWS} rows "
-                    f"unsplit, above it split along K in a cluster of {CLUSTER_SPLIT_K})")
+            return f"block_k={t.block_k}: rows below {ATOM_ROWS} load in 8-row boxes of one 64-element swizzle atom"
+        if t.split_k not in (1, CLUSTER_SPLIT_K):
+            return (f"split_k={t.split_k}: rows below {ATOM_ROWS} run unsplit or split in a cluster of "
+                    f"{CLUSTER_SPLIT_K}")
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
@@ -345,9 +339,7 @@ def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     CTA per SM allows (at most 12 K-tiles); none where that is 64 rows or more or 64-element K-tiles do not divide K.
     Measured on H200 for Kimi-K3 TP 8 QKVG alone (`benchmarks/results/levers/wgmma-padded-rows.log`): 22.40-22.58 /
     23.38 / 24.42-24.47 / 25.94 us at M = 72 / 96 / 112 / 128, 1.04-1.22x its floor, against 24.44 / 26.77 / - /
-    31.89 for tokens-on-M CTAs of 48 rows in the same runs. Twice the rows split along K in a cluster (as many CTAs,
-    half the activations each) ran slower alone (benchmarks/results/levers/wgmma-padded-rows-split-in-cluster.log),
-    so only the fused stage's F_A/beta takes that form."""
+    31.89 for tokens-on-M CTAs of 48 rows in the same runs."""
     rows = tokens_on_m_rows(n)
     if rows >= ATOM_ROWS or k % 64:
         return []

@@ -12,16 +12,19 @@ warpgroups as QKVG's:
   waits for F_A/beta like a side-chain CTA and computes one row block of F_B (Kimi-K3 TP 4: 24 rows on each of
   128 CTAs);
 - swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), any token tile up to 256 (the MMA's
-  N), served from 65 to :data:`FUSED_MAX_M` tokens: F_A/beta's row blocks split along K over pairs of side-chain
-  CTAs in a thread-block cluster (twice the rows in two atoms, half the activations each, the partials summed
-  through distributed shared memory), then F_B in 64-row passes over a resident f_a tile: f_a and every pass's W_fb
-  tiles load at once, one mbarrier per pass, and the passes' MMAs run as their tiles land.
+  N), served from 65 to :data:`FUSED_MAX_M` tokens with QKVG's CTAs 8 rows wider than tokens on M would take
+  (:data:`PADDED_ROWS_WIDER`): where the SMs they leave hold them, F_A/beta's row blocks split along K over pairs of
+  side-chain CTAs in thread-block clusters (:func:`split_side_chain`), then F_B in 64-row passes over a resident
+  f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass, and the passes' MMAs run as their
+  tiles land.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
-  CTAs of 48 rows). One token tile: M up to the tactic's ``block_t``.
+  CTAs of 48 rows), or with F_A/beta split the pairs :func:`split_side_chain` places there (12 of the 22 that 110
+  CTAs of 56 rows leave). One token tile: M up to the tactic's ``block_t``.
 - Side-chain CTA ``i`` first asks L2 for its W_fb tiles (TMA prefetch), then computes F_A/beta's row block ``i``
-  (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's, in the deepest ring an SM holds, so it finishes first),
+  (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's, in the deepest ring an SM holds, so it finishes first;
+  split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together),
   counts it in on ``chain[0]`` (release), waits until every side-chain CTA counted in, then computes its share of
   ``g1 = f_a @ W_fb^T``'s rows for every token: f_a (F_A/beta's first ``d`` columns,
   written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
@@ -49,7 +52,6 @@ from kda_backend.kernels.skinny_gemm import MAX_SMEM_BYTES, row_blocks
 from kda_backend.kernels.wgmma_gemm import (
     ATOM_ROWS,
     CLUSTER_SPLIT_K,
-    MAX_ACC_REGISTERS,
     MAX_STAGES,
     RING_OFFSET_BYTES,
     SMS,
@@ -69,13 +71,14 @@ from kda_backend.kernels.wgmma_gemm import (
 # per tactic bucket lost 0.2-0.9 us at M = 40 / 48 (benchmarks/RESULTS.md, levers).
 FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # Tokens-on-M QKVG serves up to 64 tokens: above, its 48-row CTAs need a second consumer warpgroup and fall behind
-# (M = 96: 27.9 us alone against the floor's 20.9; the fused stage with them 34.3-34.8 us). Swap-AB CTAs of the same
-# rows serve above, in the ring PADDED_ROWS_STAGES gives their token tile. Measured on H200 for Kimi-K3 TP 8
-# (qkvg_tactics.py, benchmarks/results/levers/fused-stage-swap-ab/rings-*.log): the stage took 23.41 / 23.65 / 24.40 us
-# at M = 72 with 8 / 9 / 10 slots, 24.46 / 25.19 at M = 80 with 8 / 7, 25.15 / 25.56 at M = 88 and 25.83 / 26.79 at
-# M = 96 with 7 / 8: a deeper QKVG ring takes HBM from the side chain, whose 40-row CTAs read every token's
-# activations as QKVG's 48-row ones do. Above 96 tokens the side chain falls behind QKVG (M = 128: 32.40-33.97 against
-# QKVG alone 25.75-26.62), where the sequential packed step is faster.
+# (M = 96: 27.9 us alone against the floor's 20.9; the fused stage with them 34.3-34.8 us). Swap-AB CTAs serve above,
+# PADDED_ROWS_WIDER rows wider, in the ring PADDED_ROWS_STAGES gives their token tile. With 48-row CTAs the 4 SMs left
+# hold F_A/beta only over all of K, which keeps their tensor cores busy about as long as QKVG's (split_side_chain), so
+# F_B ends after QKVG; 56-row CTAs (110 at TP 8) leave 22. Measured on H200 for Kimi-K3 TP 8 (qkvg_tactics.py,
+# benchmarks/results/levers/fused-stage-split-side-chain/): the stage took 23.67 / 24.87 / 25.46 / 27.19 us at
+# M = 72 / 96 / 104 / 128 with 56-row CTAs in 9 slots (24.21 / 25.27 / 25.85 / 27.80 in 8), QKVG alone 23.67 / 24.76
+# / 25.32 / 27.22, against 24.04 / 26.97 / 29.05 / 33.26 with 48-row CTAs in 8 slots (alone 23.30 / 24.07 / 24.67 /
+# 26.30).
 TOKENS_ON_M_MAX_M = 64
 # QKVG CTAs of 64 rows or more (Kimi-K3 TP 4: 96) take tokens on M in two consumer warpgroups up to 128 tokens: each
 # activation byte feeds twice the rows of TP 8's 48-row CTAs. QKVG alone, H200, TP 4 (qkvg_tactics.py --tp 4,
@@ -89,7 +92,8 @@ TOKENS_ON_M_MAX_M = 64
 # the passes end within QKVG's time, the tail ran 0.4-1.4 us slower, and at TP 8 0.6-1.1 us slower.
 WIDE_TOKENS_ON_M_STAGES = ((128, 7),)  # (largest token tile, slots)
 WIDE_TOKENS_ON_M_MAX_M = WIDE_TOKENS_ON_M_STAGES[-1][0]
-PADDED_ROWS_STAGES = ((80, 8), (128, 7))  # (largest token tile, slots)
+PADDED_ROWS_STAGES = ((128, 9),)  # (largest token tile, slots)
+PADDED_ROWS_WIDER = 8  # rows QKVG's swap-AB CTAs take beyond tokens_on_m_rows (see above TOKENS_ON_M_MAX_M)
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
 FB_PASSES = 2  # tokens_on_m: the fewest F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
@@ -148,6 +152,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     # Where QKVG takes tokens on M in two consumer warpgroups (above 64 tokens), F_B's passes one after another on
     # the side-chain CTAs end well after QKVG: F_B runs as a tail on QKVG's CTAs instead (see WIDE_TOKENS_ON_M_STAGES).
     tail = tactic.tokens_on_m and tactic.consumer_warpgroups > 1
+    split = None
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
@@ -165,24 +170,20 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         # A pass's K-tiles all load at once: its ring is as deep as F_B's K-tiles.
         fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False)
     else:
-        # Swap-AB: F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
+        # Swap-AB: F_A/beta split along K over pairs of side-chain CTAs where the SMs QKVG leaves hold them (see
+        # split_side_chain); F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
+        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k)
+        if split is not None:
+            fab_block, side = split
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
         passes = fb_rows // (side * ATOM_ROWS)
         fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t, d // 64, pdl=False)
     # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
-    # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB every token's activations are
-    # most of what either CTA loads, so there pairs of side-chain CTAs split F_A/beta's row blocks along K in a
-    # cluster (twice the rows, half the activations each; see PADDED_ROWS_STAGES).
-    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1)
-    if not tactic.tokens_on_m and side % CLUSTER_SPLIT_K == 0 and (side + qkvg_ctas) % CLUSTER_SPLIT_K == 0:
-        pair_block = -(-fab_rows // (side // CLUSTER_SPLIT_K * 8)) * 8
-        pair = dataclasses.replace(tactic, block_n=pair_block, split_k=CLUSTER_SPLIT_K, stages=1)
-        # Two atoms' accumulators in one warpgroup: up to 128 tokens.
-        if ATOM_ROWS < pair_block < 2 * ATOM_ROWS and (k // 64) % CLUSTER_SPLIT_K == 0 and \
-                pair.acc_registers() <= MAX_ACC_REGISTERS:
-            fab_probe = pair
+    # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB its MMAs bound it, so there it
+    # splits K where the free SMs hold the pairs (split_side_chain).
+    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1, split_k=CLUSTER_SPLIT_K if split else 1)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
@@ -194,6 +195,24 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     reason = (validate_wgmma_tactic(tactic, qkvg_rows, k, k) or validate_wgmma_tactic(fab, fab_rows, k, k)
               or validate_wgmma_tactic(fb, fb_rows, d, fab_rows))
     return reason or found
+
+
+def split_side_chain(qkvg_ctas: int, free: int, fab_rows: int, fb_rows: int, k: int) -> tuple[int, int] | None:
+    """``(rows, ctas)``: F_A/beta's row blocks of ``rows`` (one padded 64-row atom), each split along K over a pair of
+    side-chain CTAs in a thread-block cluster, on ``ctas`` of the ``free`` SMs that QKVG's ``qkvg_ctas`` CTAs leave,
+    F_B's ``fb_rows`` then in whole 64-row passes over them; the most CTAs that fit, or ``None``.
+
+    Why: above 64 tokens a side-chain CTA is bound by its MMAs, not its loads. One 64-row atom over all of K keeps an
+    SM's tensor cores busy 18 us at 128 tokens on H200, whether 40 of its rows are real or 64 (4 CTAs alone, Kimi-K3
+    TP 8's F_A/beta: 18.12 / 18.17 us; over half of K 10.14; two atoms over half of K 20.09), longer than QKVG leaves
+    F_B after it (benchmarks/results/levers/fused-stage-split-side-chain/)."""
+    if (k // 64) % CLUSTER_SPLIT_K:
+        return None
+    for rows in range(8, ATOM_ROWS, 8):
+        ctas = CLUSTER_SPLIT_K * row_blocks(fab_rows, rows)
+        if ctas <= free and (ctas + qkvg_ctas) % CLUSTER_SPLIT_K == 0 and fb_rows % (ctas * ATOM_ROWS) == 0:
+            return rows, ctas
+    return None
 
 
 def _fused_form(rows: int, m: int) -> tuple[bool, tuple[tuple[int, int], ...]]:
@@ -223,12 +242,15 @@ def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
     """QKVG's tactic in the fused stage at ``m`` tokens, one token tile covering ``m``:
     :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows` rows per CTA, tokens on M in the ring
     :data:`FUSED_STAGES` gives the token tile up to :data:`TOKENS_ON_M_MAX_M` tokens; above, tokens on M in the ring
-    :data:`WIDE_TOKENS_ON_M_STAGES` gives it where a CTA owns 64 rows or more, else swap-AB in the ring
-    :data:`PADDED_ROWS_STAGES` gives it; ``None`` where :func:`why_no_fused_tactic` says why not."""
+    :data:`WIDE_TOKENS_ON_M_STAGES` gives it where a CTA owns 64 rows or more, else swap-AB with
+    :data:`PADDED_ROWS_WIDER` rows more (still below one atom) in the ring :data:`PADDED_ROWS_STAGES` gives it;
+    ``None`` where :func:`why_no_fused_tactic` says why not."""
     if why_no_fused_tactic(qkvg_rows, k, m) is not None:
         return None
     rows = tokens_on_m_rows(qkvg_rows)
     tokens_on_m, rings = _fused_form(rows, m)
+    if not tokens_on_m:
+        rows = min(rows + PADDED_ROWS_WIDER, ATOM_ROWS - 8)
     tactic = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=tokens_on_m).for_tokens(m)
     stages = next(slots for tile, slots in rings if tactic.block_t <= tile)
     return dataclasses.replace(tactic, stages=stages)
@@ -291,7 +313,7 @@ class WgmmaStage:
         b_ops = self.fb._operands(m_w_fb, m_fa)
         outs = [cute.make_tensor(o.iterator, cute.select(o.layout, mode=[1, 0])) for o in (m_qkvg, m_fab, m_g1)]
         grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n), 1, 1)
-        # F_A/beta split in clusters: every CTA of the grid is in one (QKVG's pairs just never synchronize).
+        # With F_A/beta split in clusters every CTA of the grid is in one (QKVG's pairs never synchronize).
         cluster = [CLUSTER_SPLIT_K, 1, 1] if p.fab.in_cluster else None
         self.stage_kernel(*q_ops, *f_ops, *b_ops, *outs, m_chain).launch(
             grid=grid, block=[p.qkvg.threads, 1, 1], cluster=cluster, smem=self.smem_bytes(), stream=stream,
