@@ -18,7 +18,6 @@ from kda_backend.kernels.wgmma_gemm import (
     default_wgmma_tactic,
     leaves_room,
     padded_rows_tactics,
-    stream_k_tactics,
     tokens_on_m_tactics,
     validate_wgmma_tactic,
     wgmma_block_t_for,
@@ -122,35 +121,6 @@ def test_padded_rows_split_k_in_a_cluster_without_workspace():
     assert not WgmmaTactic(64, 64, 64, 8, split_k=2).in_cluster and WgmmaTactic(64, 64, 64, 8, split_k=2).uses_workspace
 
 
-def test_stream_k_shares_the_k_tiles_over_every_sm():
-    """Stream-K: grid x is the CTA count whatever the row blocks, a workspace of two thread-major slots per CTA and
-    token tile, one arrival counter per output tile; only swap-AB over whole atoms, unsplit."""
-    tactic = WgmmaTactic(128, 64, 256, 4, stream_k=132)
-    assert tactic.key() == "w128k64t256s4g132p" and tactic.uses_workspace and not tactic.in_cluster
-    assert tactic.ctas(QKVG_TP8, 256) == 132 and tactic.ctas(QKVG_TP8, 300) == 264
-    assert tactic.workspace_shape(200, QKVG_TP8) == (264, 128, 256)
-    assert tactic.workspace_shape(300, QKVG_TP8) == (528, 128, 256)
-    assert tactic.counters(QKVG_TP8, 256) == 48
-    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
-    for bad, match in [(dataclasses.replace(tactic, block_n=48), "whole 64-row atoms"),
-                       (WgmmaTactic(48, 64, 64, 8, tokens_on_m=True, stream_k=132), "whole 64-row atoms"),
-                       (dataclasses.replace(tactic, split_k=2), "without split_k"),
-                       (dataclasses.replace(tactic, stream_k=-1), "from 1 to the 5376"),
-                       (dataclasses.replace(tactic, stream_k=5377), "from 1 to the 5376")]:
-        assert match in validate_wgmma_tactic(bad, QKVG_TP8, K, K)
-
-
-def test_the_autotuner_times_stream_k_above_64_tokens():
-    from kda_backend.autotune import wgmma_shortlist
-
-    assert stream_k_tactics(QKVG_TP8, K, 64) == []
-    assert stream_k_tactics(QKVG_TP8, K, 256) == [WgmmaTactic(128, 64, 256, 4, stream_k=132),
-                                                  WgmmaTactic(64, 64, 256, 5, stream_k=132)]
-    assert stream_k_tactics(QKVG_TP4, K, 256) == [WgmmaTactic(128, 64, 256, 4, stream_k=132)]  # 192 64-row blocks
-    for m in (96, 200):
-        assert set(stream_k_tactics(QKVG_TP8, K, m)) <= set(wgmma_shortlist(QKVG_TP8, K, m, K))
-
-
 def test_the_autotuner_times_the_padded_rows_tactic_where_a_row_block_is_below_one_atom():
     from kda_backend.autotune import WGMMA_CANDIDATES, wgmma_shortlist
 
@@ -243,9 +213,6 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
     (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
     (WgmmaTactic(24, 64, 128, 9, split_k=2), FAB),
-    (WgmmaTactic(128, 64, 256, 4, stream_k=132), QKVG_TP8),
-    (WgmmaTactic(64, 64, 192, 5, stream_k=132, pdl=False), QKVG_TP8),
-    (WgmmaTactic(128, 64, 168, 4, stream_k=100), 136),
 ]
 
 
@@ -313,26 +280,6 @@ def test_split_k_and_partial_row_blocks_match_reference(tactic, n, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "tactic,n",
-    [
-        (WgmmaTactic(128, 64, 256, 4, stream_k=132), QKVG_TP8),
-        (WgmmaTactic(64, 64, 256, 5, stream_k=132), QKVG_TP8),
-        (WgmmaTactic(128, 64, 256, 4, stream_k=20), QKVG_TP8),
-        (WgmmaTactic(128, 64, 192, 5, stream_k=132, pdl=False), QKVG_TP4),
-        (WgmmaTactic(128, 64, 64, 6, stream_k=7), 136),
-    ],
-    ids=lambda c: c.key() if isinstance(c, WgmmaTactic) else f"N{c}",
-)
-@pytest.mark.parametrize("m", [17, 136, 192, 256], ids=lambda m: f"M{m}")
-def test_stream_k_matches_reference(tactic, n, m):
-    """Stream-K: runs that cross row blocks (132 CTAs over 48 or 96 of them), that hold whole row blocks and parts
-    of two (20 CTAs), a partial last row block (136 rows) and token tiles below M (grid y > 1) match fp32; the
-    partials summed in CTA order make relaunches bit-identical (and show the counters were left zero)."""
-    _check(tactic, m, n, seed=m)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("m", [17, 24, 61, 64, 100, 128], ids=lambda m: f"M{m}")
 def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
     """Tokens on the MMA's M side: padding tokens in shared memory are never loaded and never stored; rows past N
@@ -344,8 +291,7 @@ def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
                                     WgmmaTactic(48, 64, 104, 8, tokens_on_m=True),
-                                    WgmmaTactic(24, 64, 104, 9, split_k=2),
-                                    WgmmaTactic(128, 64, 104, 7, stream_k=132)],
+                                    WgmmaTactic(24, 64, 104, 9, split_k=2)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):
     """A captured launch replayed on new inputs (same buffers) equals an eager launch on them, bit for bit."""

@@ -172,10 +172,7 @@ def compile_gemm(key: KernelKey) -> Any:
     tactic, link = key.tactic, key.link
     work = arrivals = chain = expected = None
     if tactic.uses_workspace:
-        if getattr(tactic, "stream_k", 0):  # [slots, acc_registers, consumer_threads], slots per call
-            shape = (cute.sym_int32(symbol="slots"), *tactic.workspace_shape(1, key.n)[1:])
-        else:
-            shape = tactic.workspace_shape(m, key.n)  # [split_k, M, N]
+        shape = tactic.workspace_shape(m, key.n)  # [split_k, M, N]
         stride = (cute.sym_int64(), shape[2], 1)
         work = make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
         arrivals = make_fake_tensor(cutlass.Int32, (cute.sym_int32(symbol="tiles"),), (1,), assumed_align=4)

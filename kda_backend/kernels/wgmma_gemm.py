@@ -103,9 +103,6 @@ MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
 REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per thread
-STREAM_K_SLOTS = 2  # workspace slots of one stream-K CTA: its run's first and last segment
-# Stream-K candidates from here on: below it padded rows of fewer than 64 give every SM a row block of one atom.
-STREAM_K_CANDIDATES_ABOVE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,14 +128,6 @@ class WgmmaTactic(SplitKSchedule):
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
-    :param stream_k: swap-AB with whole atoms only: 0, or the CTAs per token tile (grid x) sharing the output
-        tiles' K-tiles evenly (stream-K). The (row block, K-tile) pairs of one token tile are numbered row block
-        by row block; CTA ``c`` of ``G = stream_k`` takes the contiguous run ``[c * I // G, (c + 1) * I // G)`` of
-        the ``I`` pairs, which may cross row blocks. A segment covering a whole row block stores it; the others
-        (only a run's first and last) leave fp32 partials in the workspace (thread-major, as each consumer
-        thread holds them) and count in on the tile's arrival counter, and the CTA that arrives last sums the
-        tile's partials in CTA order, stores it and resets the counter. No CTA waits for another. It gives every
-        SM the same number of MMAs where the row blocks are fewer than the SMs or not a multiple of them.
     """
 
     family: ClassVar[str] = "wgmma"
@@ -150,7 +139,6 @@ class WgmmaTactic(SplitKSchedule):
     split_k: int = 1
     tokens_on_m: bool = False
     pdl: bool = True
-    stream_k: int = 0
 
     @property
     def padded_rows(self) -> bool:
@@ -170,21 +158,8 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def uses_workspace(self) -> bool:
-        """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster, stream-K)."""
-        return (self.split_k > 1 and not self.in_cluster) or self.stream_k > 0
-
-    def workspace_shape(self, m: int, n: int) -> tuple[int, int, int]:
-        """The fp32 workspace: split-K's ``[split_k, M, N]``; stream-K's ``[slots, acc_registers, consumer_threads]``
-        with :data:`STREAM_K_SLOTS` slots per CTA and token tile."""
-        if not self.stream_k:
-            return super().workspace_shape(m, n)
-        return -(-m // self.block_t) * self.stream_k * STREAM_K_SLOTS, self.acc_registers(), self.consumer_threads
-
-    def ctas(self, n: int, m: int) -> int:
-        """CTAs of one launch over ``n`` rows and ``m`` tokens."""
-        if self.stream_k:
-            return self.stream_k * -(-m // self.block_t)
-        return super().ctas(n, m)
+        """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
+        return self.split_k > 1 and not self.in_cluster
 
     def partial_bytes(self) -> int:
         """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile (0 otherwise)."""
@@ -232,9 +207,7 @@ class WgmmaTactic(SplitKSchedule):
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
         order = "m" if self.tokens_on_m else ""
-        stream = f"g{self.stream_k}" if self.stream_k else ""
-        return (f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{stream}{order}"
-                f"{'p' if self.pdl else ''}")
+        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
 
     def for_tokens(self, m: int) -> WgmmaTactic:
         """This tactic with the token tile that runs ``m`` tokens: the smallest covering one (with ``tokens_on_m``
@@ -280,14 +253,6 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         return f"split_k={t.split_k} must divide the {k // t.block_k} K-tiles"
     if t.smem_bytes() > MAX_SMEM_BYTES:
         return f"needs {t.smem_bytes()} B of shared memory > {MAX_SMEM_BYTES}"
-    if t.stream_k:
-        if t.tokens_on_m or t.padded_rows or t.split_k != 1:
-            return f"stream_k={t.stream_k}: swap-AB over whole 64-row atoms, without split_k"
-        if not 1 <= t.stream_k <= row_blocks(n, t.block_n) * (k // t.block_k):
-            return (f"stream_k={t.stream_k} must be from 1 to the {row_blocks(n, t.block_n) * (k // t.block_k)} "
-                    "(row block, K-tile) pairs")
-        if row_blocks(n, t.block_n) > SPLIT_K_COUNTERS:
-            return f"{row_blocks(n, t.block_n)} row blocks > {SPLIT_K_COUNTERS} arrival counters"
     if x_row_stride % ELEMS_PER_COPY:
         return f"x row stride {x_row_stride} must be a multiple of {ELEMS_PER_COPY} elements (16 bytes, TMA)"
     return None
@@ -384,27 +349,10 @@ def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [dataclasses.replace(probe, stages=stages)] if stages >= 2 else []
 
 
-def stream_k_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
-    """The stream-K tactics worth timing at ``m`` tokens (none up to :data:`STREAM_K_CANDIDATES_ABOVE` tokens or
-    where the row blocks fill the SMs): 128- and 64-row blocks over :data:`SMS` CTAs, with PDL in the deepest ring
-    one CTA per SM allows (at most 12 K-tiles)."""
-    if m <= STREAM_K_CANDIDATES_ABOVE or k % 64:
-        return []
-    found = []
-    for block_n in (128, 64):
-        if row_blocks(n, block_n) >= SMS:
-            continue
-        block_t = wgmma_block_t_for(m)
-        stages = min(MAX_DEFAULT_STAGES, max_stages(block_n, 64, block_t, 1))
-        if stages >= 2:
-            found.append(WgmmaTactic(block_n, 64, block_t, stages, stream_k=SMS))
-    return found
-
-
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
     size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
-    and :func:`tokens_on_m_tactics`, :func:`padded_rows_tactics` and :func:`stream_k_tactics`."""
+    and :func:`tokens_on_m_tactics` and :func:`padded_rows_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -416,7 +364,7 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    for tactic in [default, *tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m), *stream_k_tactics(n, k, m)]:
+    for tactic in [default, *tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m)]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
     return found
@@ -533,13 +481,11 @@ class WgmmaGemm:
         self._check_roles(m_work=m_work, m_arrivals=m_arrivals, m_chain=m_chain, expected=expected)
         t = self.tactic
         w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma = self._operands(m_w, m_x)
-        # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k)
-        # (stream-K's as it is).
+        # The kernel works on the swap-AB views: out transposed (N, M) and the split-K workspace as (N, M, split_k).
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
-        if cutlass.const_expr(m_work is not None and not t.stream_k):
+        if cutlass.const_expr(m_work is not None):
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
-        grid_x = t.stream_k if t.stream_k else row_blocks(self.n, t.block_n)
-        grid = (grid_x, cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
+        grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
@@ -572,12 +518,8 @@ class WgmmaGemm:
         dtype = m_out_t.element_type
 
         mainloop, s_w, s_x, s_x_box, ring, s_last = self._ring(dtype, s_w_layout, s_x_layout, s_x_box_layout)
-        if cutlass.const_expr(self.tactic.stream_k):
-            self._stream_k_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, ring, m_out_t, m_work,
-                                   m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy)
-        else:
-            self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
-                               m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
+        self._tile_per_cta(mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, s_x_box, ring, m_out_t, m_work,
+                           m_arrivals, s_last, tiled_mma, warp, tidx, bidx, bidy, bidz)
 
     def _ring(self, dtype, s_w_layout, s_x_layout, s_x_box_layout):
         """Shared memory of one CTA: ``(mainloop, s_w, s_x, s_x_box, ring, s_last)``: the ring's pipeline, its
@@ -662,143 +604,6 @@ class WgmmaGemm:
             else:
                 self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
 
-    @cute.jit
-    def _stream_k_per_cta(self, mainloop, w_tma, w_src, x_tma, x_src, s_w, s_x, ring, m_out_t, m_work, m_arrivals,
-                          s_last, tiled_mma, warp, tidx, bidx, bidy):
-        """Stream-K: CTA ``bidx`` of token tile ``bidy`` runs (row block, K-tile) pairs ``[start, end)`` in order,
-        one segment per row block it touches (see :attr:`WgmmaTactic.stream_k`)."""
-        t = self.tactic
-        k_tiles = self.k // t.block_k
-        iters = row_blocks(self.n, t.block_n) * k_tiles
-        start = bidx * iters // t.stream_k
-        end = (bidx + 1) * iters // t.stream_k
-        t_sw, t_gw, t_sx, t_gx = self._tma_views(w_tma, w_src, x_tma, x_src, s_w, s_x, 0, bidy)
-        if warp == t.consumer_threads // 32:
-            self._produce_run(mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, bidy, start, end)
-        else:
-            m_tokens = m_out_t.shape[1]
-            # The ring is not drained between segments: s_o only shapes the accumulator.
-            s_o = cute.make_tensor(ring, cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
-            thr_mma = tiled_mma.get_slice(tidx)
-            t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_w))
-            t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(s_o).shape, cutlass.Float32)
-            for row_block in cutlass.range(start // k_tiles, (end - 1) // k_tiles + 1, unroll=1):
-                lo = cutlass.max(start, row_block * k_tiles)
-                hi = cutlass.min(end, row_block * k_tiles + k_tiles)
-                acc.fill(0.0)
-                read, release = self._consume_run(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, hi - lo)
-                g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (row_block, bidy))
-                c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t),
-                                      (row_block, bidy))
-                t_go, t_co = thr_mma.partition_C(g_o), thr_mma.partition_C(c_o)
-                if hi - lo == k_tiles:
-                    self._store_fragment(acc, t_go, t_co, m_tokens)
-                else:
-                    # Slot 0 holds the run's first segment (the only one that may start past a tile's first
-                    # K-tile), slot 1 its last.
-                    slot = bidy * t.stream_k + bidx
-                    slot = slot * STREAM_K_SLOTS + cutlass.min(row_block - start // k_tiles, 1)
-                    self._sum_partials(acc, m_work, m_arrivals, s_last, slot, row_block, bidy, tidx, iters)
-                    if s_last[0] == 1:
-                        self._store_fragment(acc, t_go, t_co, m_tokens)
-
-    @cute.jit
-    def _produce_run(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, token_tile, start, end):
-        """The stream-K producer warp: fill the ring with pairs ``[start, end)`` (row block ``i // k_tiles``,
-        K-tile ``i % k_tiles``) in order; the weight prologue before the PDL wait, as :meth:`_produce`."""
-        t = self.tactic
-        k_tiles = self.k // t.block_k
-        cpasync.prefetch_descriptor(w_tma)
-        cpasync.prefetch_descriptor(x_tma)
-        w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
-        prologue = cutlass.min(end - start, t.stages)
-        for s in cutlass.range(prologue, unroll=1):
-            i = start + s
-            mainloop.producer_acquire(state)  # the ring starts empty: no wait
-            self._load_w(w_tma, t_gw, t_sw, i // k_tiles, i % k_tiles, s, mainloop.producer_get_barrier(state),
-                         w_policy)
-            state.advance()
-        if cutlass.const_expr(t.pdl):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
-        for s in cutlass.range(prologue, unroll=1):
-            self._load_x(x_tma, t_gx, t_sx, token_tile, (start + s) % k_tiles, s,
-                         mainloop.sync_object_full.get_barrier(s), x_policy)
-        for i in cutlass.range(start + prologue, end, unroll=1):
-            mainloop.producer_acquire(state)
-            bar = mainloop.producer_get_barrier(state)
-            self._load_w(w_tma, t_gw, t_sw, i // k_tiles, i % k_tiles, state.index, bar, w_policy)
-            self._load_x(x_tma, t_gx, t_sx, token_tile, i % k_tiles, state.index, bar, x_policy)
-            state.advance()
-
-    @cute.jit
-    def _consume_run(self, mainloop, tiled_mma, acc, t_ra, t_rb, read, release, count):
-        """Accumulate ``count`` (at least 1) K-tiles from the ring into ``acc``, one K-tile of MMAs in flight, and
-        free every slot they read: the ring runs on into the next segment. Returns the states ``(read, release)``
-        advanced past them."""
-        self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
-        read.advance()
-        for _ in cutlass.range(1, count, unroll=1):
-            self._mma_tile(mainloop, tiled_mma, acc, t_ra, t_rb, read)
-            read.advance()
-            warpgroup.wait_group(1)
-            mainloop.consumer_release(release)
-            release.advance()
-        warpgroup.wait_group(0)
-        mainloop.consumer_release(release)
-        release.advance()
-        return read, release
-
-    @cute.jit
-    def _store_fragment(self, acc, t_go, t_co, m_tokens):
-        """Write the accumulator as bf16 straight from the registers, real rows and tokens only (stream-K: the ring
-        is still in use, so nothing is staged)."""
-        out = cute.make_rmem_tensor(acc.layout, t_go.element_type)
-        out.store(acc.load().to(t_go.element_type))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            if self._in_bounds(t_co[i], m_tokens):
-                t_go[i] = out[i]
-
-    @cute.jit
-    def _sum_partials(self, acc, m_work, m_arrivals, s_last, slot, row_block, token_tile, tidx, iters):
-        """Stream-K: publish this segment's fp32 partial in workspace slot ``slot`` (thread-major, coalesced) and
-        count it in on the tile's arrival counter; in the CTA that arrives last (``s_last[0] == 1`` there, else 0),
-        replace ``acc`` with the sum of every CTA's partial of the tile in CTA order and reset the counter. No CTA
-        waits for another."""
-        t = self.tactic
-        k_tiles = self.k // t.block_k
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            m_work[slot, i, tidx] = acc[i]
-        cute.arch.fence_acq_rel_gpu()  # release: every thread's partial is visible before the CTA counts in
-        self._consumers_sync()
-        tile = token_tile * row_blocks(self.n, t.block_n) + row_block
-        # The CTAs whose runs hold the tile's first and last K-tile: c holds pair i where c * iters // G <= i.
-        first = ((row_block * k_tiles + 1) * t.stream_k - 1) // iters
-        last = ((row_block * k_tiles + k_tiles) * t.stream_k - 1) // iters
-        if tidx == 0:
-            arrived = cute.arch.atomic_add(m_arrivals.iterator + tile, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-            s_last[0] = 0
-            if arrived == last - first:
-                s_last[0] = 1
-                m_arrivals[tile] = 0  # stream order makes the reset visible to the next kernel that uses them
-        self._consumers_sync()
-        if s_last[0] == 1:
-            cute.arch.fence_acq_rel_gpu()
-            acc.fill(0.0)
-            for c in cutlass.range(first, last + 1, unroll=1):
-                # The tile is c's run's first segment (slot 0) unless that run starts in an earlier row block.
-                c_slot = (token_tile * t.stream_k + c) * STREAM_K_SLOTS + cutlass.min(
-                    row_block - c * iters // t.stream_k // k_tiles, 1)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    # L2 loads (.cg): this SM's L1 may hold a stale copy of a line another CTA wrote since.
-                    acc[i] = acc[i] + cute.arch.load(
-                        m_work.iterator + cute.crd2idx((c_slot, i, tidx), m_work.layout), cutlass.Float32, cop="cg")
-
     def _tma_views(self, w_tma, w_src, x_tma, x_src, s_w, s_x_box, row_block, token_tile):
         """The TMA partitions ``(t_sw, t_gw, t_sx, t_gx)`` of the weight and activation tiles: the shared ring's
         (TMA, stages) and the global tiles' (TMA, K-tiles) of row block ``row_block`` and token tile
@@ -807,8 +612,6 @@ class WgmmaGemm:
         t = self.tactic
         if cutlass.const_expr(t.padded_rows):
             g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
-        elif cutlass.const_expr(t.stream_k):  # (TMA, row blocks, K-tiles): a run crosses row blocks
-            g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
         if cutlass.const_expr(t.tokens_on_m):
@@ -859,8 +662,6 @@ class WgmmaGemm:
         :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows."""
         t = self.tactic
         boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
-        if t.stream_k:
-            boxes = (1, 1)  # one box per tile, indexed by row block
         _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
