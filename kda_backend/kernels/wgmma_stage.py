@@ -367,13 +367,11 @@ class WgmmaStage:
                 if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
                     self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx * p.fb_passes, p.fb_passes)
             mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
+            row_block, k_half = bidx, 0
             if cutlass.const_expr(p.fab.in_cluster):  # row block bidx // 2, K-half (cluster rank) bidx % 2
-                self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring,
-                                       m_fab_t, None, None, None, f_mma, warp, tidx, bidx // CLUSTER_SPLIT_K, 0,
-                                       bidx % CLUSTER_SPLIT_K)
-            else:
-                self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring,
-                                       m_fab_t, None, None, None, f_mma, warp, tidx, bidx, 0, 0)
+                row_block, k_half = bidx // CLUSTER_SPLIT_K, bidx % CLUSTER_SPLIT_K
+            self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
+                                   None, None, None, f_mma, warp, tidx, row_block, 0, k_half)
             if cutlass.const_expr(p.fb_tail):
                 self._count_in(m_chain, tidx)
             else:
