@@ -44,7 +44,6 @@ provider launch either; it takes no part in the single-stream side chain
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import ClassVar
 
 import cutlass
@@ -104,13 +103,6 @@ MAX_TOKEN_TILE = 256  # wgmma's N limit
 SMS = 132  # H100 / H200 SXM: what the candidates' CTA counts aim at
 CONSUMER_BARRIER = 1  # named barrier of the consumer warpgroups (0 is the whole CTA's)
 REDUCE_REGISTERS = 64  # fp32 partials the split-K reduction holds at once per thread
-# Diagnostic: row blocks start their K walk at one of this many evenly spaced K-tiles (row block modulo it).
-STAGGER = int(os.environ.get("KDA_DIAG_STAGGER", "1"))
-
-
-def _k_tile(k, k_first, shift, k_tiles):
-    """The K-tile a CTA's ``k``-th load takes (main's build where STAGGER is 1)."""
-    return k_first + ((k + shift) % k_tiles if STAGGER > 1 else k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -645,27 +637,24 @@ class WgmmaGemm:
         w_policy, x_policy = l2_policy(EVICT_FIRST), l2_policy(EVICT_LAST)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
         prologue = min(t.stages, k_tiles)
-        shift = (row_block % STAGGER) * (k_tiles // STAGGER) if STAGGER > 1 else 0
         # Weights need nothing from the previous kernel: the ring's first tiles start before the PDL wait. Each
         # slot's barrier expects both tiles' bytes, so it completes once the activations land too.
         for s in cutlass.range_constexpr(prologue):
             mainloop.producer_acquire(state)  # the ring starts empty: no wait
-            self._load_w(w_tma, t_gw, t_sw, row_block, _k_tile(s, k_first, shift, k_tiles), s,
-                        mainloop.producer_get_barrier(state), w_policy)
+            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + s, s, mainloop.producer_get_barrier(state), w_policy)
             state.advance()
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
             # The CTA releases the next kernel here, once x is complete: its weight prologue overlaps our tail.
             cute.arch.griddepcontrol_launch_dependents()
         for s in cutlass.range_constexpr(prologue):
-            self._load_x(x_tma, t_gx, t_sx, token_tile, _k_tile(s, k_first, shift, k_tiles), s,
-                        mainloop.sync_object_full.get_barrier(s),
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + s, s, mainloop.sync_object_full.get_barrier(s),
                          x_policy)
         for k in cutlass.range(prologue, k_tiles, unroll=1):
             mainloop.producer_acquire(state)
             bar = mainloop.producer_get_barrier(state)
-            self._load_w(w_tma, t_gw, t_sw, row_block, _k_tile(k, k_first, shift, k_tiles), state.index, bar, w_policy)
-            self._load_x(x_tma, t_gx, t_sx, token_tile, _k_tile(k, k_first, shift, k_tiles), state.index, bar, x_policy)
+            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
+            self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
 
     def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
