@@ -27,7 +27,7 @@ LAYERS = 24  # layers per timed graph (graph_time_per_layer's default)
 TACTIC_KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)(B?)")
 WGMMA_KEY = re.compile(r"w(\d+)k(\d+)(?:t(\d+))?s(\d+)(?:x(\d+))?(m?)(p?)")
 TACTIC_HELP = (
-    "tactic keys without the token tile, which follows M: n<rows>k<block_k>s<stages>[x<split>][p][L][T][B] for the "
+    "tactic keys whose token tile follows M: n<rows>k<block_k>s<stages>[x<split>][p][L][T][B] for the "
     "mma.sync kernel, e.g. n48k256s4p = 48 weight rows per CTA, 256-element K-tiles, 4 stages, PDL; x14 = split-K "
     "14, L = activations through L1, T = by TMA, B = by bulk copies; w<rows>k<block_k>[t<tokens>]s<stages>[x<split>]"
     "[m][p] for the wgmma kernel (QKVG on Hopper), e.g. w64k64s9p = 64 weight rows per CTA, 64-element K-tiles, 9 "
@@ -36,7 +36,8 @@ TACTIC_HELP = (
 
 
 def parse_tactic(spec: str, m: int) -> AnyTactic:
-    """A tactic from its key without the token tile, which follows ``m`` (see :data:`TACTIC_HELP`)."""
+    """A tactic from its key (see :data:`TACTIC_HELP`): its token tile covers ``m`` unless a ``wgmma`` key fixes it
+    (``t<tokens>``, the rest of M along grid y)."""
     wgmma = WGMMA_KEY.fullmatch(spec)
     if wgmma is not None:
         rows, block_k, block_t, stages, split, tokens_on_m, pdl = wgmma.groups()
