@@ -163,7 +163,7 @@ def test_wgmma_qkvg_matches_reference_up_to_256_tokens(tp):
 FUSED_CUTE = Step(overlap=True, qkvg="cute", fab="cute", fb="cute", fused=True)
 
 
-@pytest.mark.parametrize("m", [1, 17, 40, 64, 72, 96])
+@pytest.mark.parametrize("m", [1, 17, 40, 64, 72, 96, 224])
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 def test_graph_replay_equals_eager_bitwise_with_the_fused_stage(m, packed):
     """The whole stage as one launch (QKVG's tiles and the side chain's on the SMs QKVG leaves; tokens on M up to 64,
@@ -187,6 +187,18 @@ def test_the_fused_stage_serves_tp4_tp8_and_tp16(tp):
     w = _weights(tp, packed=True, seed=tp)
     proj = KDAProjection(w, Plan.uniform(128, FUSED_CUTE))
     for m in (1, 24, 64, 96, 128):
+        x = torch.randn(m, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
+        _assert_close_to_reference(proj(x, *projection_outputs(m, w.geometry, "cuda")), x, w)
+        assert proj.stage(m).mode == "fused"
+
+
+@pytest.mark.parametrize("tp", [8, 16], ids=lambda t: f"tp{t}")
+def test_the_fused_stage_serves_tp8_and_tp16_above_128_tokens(tp):
+    """Swap-AB QKVG 8 rows wider than tokens on M would take, F_A/beta split in clusters, in the ring each token tile
+    takes, up to 224 tokens; matches the reference."""
+    w = _weights(tp, packed=True, seed=tp)
+    proj = KDAProjection(w, Plan.uniform(224, FUSED_CUTE))
+    for m in (136, 160, 224):
         x = torch.randn(m, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
         _assert_close_to_reference(proj(x, *projection_outputs(m, w.geometry, "cuda")), x, w)
         assert proj.stage(m).mode == "fused"

@@ -46,6 +46,11 @@ def _swap_ab(m, stages=5):
     return WgmmaTactic(48, 64, 64, stages).for_tokens(m)
 
 
+def _fused(m):
+    """TP 8's fused QKVG tactic at ``m`` tokens (above 64: swap-AB CTAs of 56 rows, the ring by token tile)."""
+    return fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
+
+
 def _wide(m, stages=8):
     """A swap-AB QKVG tactic of 56-row CTAs (110 at TP 8, 22 SMs left to the side chain), the token tile covering
     ``m``."""
@@ -57,6 +62,14 @@ def test_above_64_tokens_the_fused_stage_takes_swap_ab_qkvg():
         tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
         assert tactic.padded_rows and tactic.block_n == 56 and tactic.block_t >= m
         assert validate_stage(tactic, *SHAPES) is None
+
+
+def test_above_128_tokens_the_fused_ring_is_the_deepest_that_fits_its_tile():
+    assert [_fused(m).stages for m in (128, 136, 152, 160, 192, 200, FUSED_MAX_M)] == [9, 8, 8, 7, 7, 6, 6]
+    assert FUSED_MAX_M == 224
+    for m in (136, 160, 200, FUSED_MAX_M):
+        plan = plan_stage(_fused(m), *SHAPES)
+        assert plan.fab.in_cluster and plan.side == 12 and plan.fb_resident
 
 
 def test_the_side_chain_takes_the_sms_qkvg_leaves():
@@ -126,6 +139,10 @@ def test_shapes_the_one_launch_stage_refuses():
 @pytest.mark.parametrize("m", [24, 64, 128])
 def test_compiles_for_sm90a(m):
     assert compile_stage(WgmmaStage(_tactic(m), *SHAPES), "sm_90a") is not None
+
+
+def test_the_largest_fused_tile_compiles_for_sm90a():
+    assert compile_stage(WgmmaStage(_fused(FUSED_MAX_M), *SHAPES), "sm_90a") is not None
 
 
 def test_compiles_through_the_kernel_cache_for_sm90a():
@@ -202,17 +219,17 @@ def _calls(m, capability=(9, 0), w_row_stride=None, fb_x_row_stride=None, g=G):
             for role, (n, k, xs, ws) in shapes.items()}
 
 
-@pytest.mark.parametrize("m", [1, 17, 64, 65, 96, 128])
-def test_the_cute_provider_fuses_tp8_hopper_stages_up_to_128_tokens(m):
+@pytest.mark.parametrize("m", [1, 17, 64, 65, 96, 128, 136, 224])
+def test_the_cute_provider_fuses_tp8_hopper_stages_up_to_224_tokens(m):
     assert CuteDslProvider().why_not_fused(_calls(m)) is None
 
 
 @pytest.mark.parametrize(("calls", "reason"), [
-    (_calls(129), "fused stage: M=129 above its token tile"),
+    (_calls(225), "fused stage: M=225 above its token tile"),
     (_calls(16, capability=(10, 0)), "fused stage: compute capability (10, 0) not in SM (9,)"),
     (_calls(16, w_row_stride=G.packed_rows + 8), "fused stage: x and the weights must have contiguous rows"),
     (_calls(16, fb_x_row_stride=G.head_dim), "fused stage: F_B reads F_A from another buffer"),
-], ids=["m-129", "blackwell", "strided-weights", "f_a-elsewhere"])
+], ids=["m-225", "blackwell", "strided-weights", "f_a-elsewhere"])
 def test_the_cute_provider_says_why_it_does_not_fuse(calls, reason):
     assert CuteDslProvider().why_not_fused(calls).startswith(reason)
 
@@ -254,6 +271,7 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
 @pytest.mark.parametrize(("m", "tactic"), [(m, _tactic) for m in (17, 24, 40, 64, 100, 128)]
                          + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)]
                          + [(m, _wide) for m in (65, 72, 100, 128)]
+                         + [(m, _fused) for m in (136, 224)]
                          + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
     kernel, g = _stage(tactic, m)
@@ -277,7 +295,7 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab), (128, _wide),
-                                           (256, _swap_ab), (40, _tp4), (120, _tp4)])
+                                           (256, _swap_ab), (224, _fused), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
     kernel, g = _stage(tactic, m)
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)

@@ -78,7 +78,12 @@ FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # benchmarks/results/levers/fused-stage-split-side-chain/): the stage took 23.67 / 24.87 / 25.46 / 27.19 us at
 # M = 72 / 96 / 104 / 128 with 56-row CTAs in 9 slots (24.21 / 25.27 / 25.85 / 27.80 in 8), QKVG alone 23.67 / 24.76
 # / 25.32 / 27.22, against 24.04 / 26.97 / 29.05 / 33.26 with 48-row CTAs in 8 slots (alone 23.30 / 24.07 / 24.67 /
-# 26.30).
+# 26.30). Above 128 tokens the same form stays ahead of sequential cuBLAS in the deepest ring that fits each token tile
+# (benchmarks/results/levers/fused-stage-above-128/): the stage took 28.33 / 29.66 us at M = 136 / 152 in 8 slots
+# (29.09 / 30.68 in 7) and 31.69 at 160 in 7 (33.02 in 6), where sequential cuBLAS took 31.34 / 33.23 / 32.67 in a
+# `bench` on the same H200; 32.44 / 33.95 at 176 / 192 in 7 slots and 38.26 at 224 in 6, against sequential
+# cuBLAS's 41.52 / 39.03 / 46.03 and the plan's 35.44 / 36.63 / 39.46 in another H200's `bench`
+# (benchmarks/results/h200-large-m/tp8-token-tiles/). Larger tiles were not timed.
 TOKENS_ON_M_MAX_M = 64
 # QKVG CTAs of 64 rows or more (Kimi-K3 TP 4: 96) take tokens on M in two consumer warpgroups up to 128 tokens: each
 # activation byte feeds twice the rows of TP 8's 48-row CTAs. QKVG alone, H200, TP 4 (qkvg_tactics.py --tp 4,
@@ -92,7 +97,7 @@ TOKENS_ON_M_MAX_M = 64
 # the passes end within QKVG's time, the tail ran 0.4-1.4 us slower, and at TP 8 0.6-1.1 us slower.
 WIDE_TOKENS_ON_M_STAGES = ((128, 7),)  # (largest token tile, slots)
 WIDE_TOKENS_ON_M_MAX_M = WIDE_TOKENS_ON_M_STAGES[-1][0]
-PADDED_ROWS_STAGES = ((128, 9),)  # (largest token tile, slots)
+PADDED_ROWS_STAGES = ((128, 9), (152, 8), (192, 7), (224, 6))  # (largest token tile, slots)
 PADDED_ROWS_WIDER = 8  # rows QKVG's swap-AB CTAs take beyond tokens_on_m_rows (see above TOKENS_ON_M_MAX_M)
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
