@@ -97,7 +97,7 @@ TOKENS_ON_M_MAX_M = 64
 # the passes end within QKVG's time, the tail ran 0.4-1.4 us slower, and at TP 8 0.6-1.1 us slower.
 WIDE_TOKENS_ON_M_STAGES = ((128, 7),)  # (largest token tile, slots)
 WIDE_TOKENS_ON_M_MAX_M = WIDE_TOKENS_ON_M_STAGES[-1][0]
-PADDED_ROWS_STAGES = ((128, 9), (152, 8), (192, 7), (224, 6), (256, 5))  # (largest token tile, slots)
+PADDED_ROWS_STAGES = ((128, 9), (152, 8), (192, 7), (224, 6))  # (largest token tile, slots)
 PADDED_ROWS_WIDER = 8  # rows QKVG's swap-AB CTAs take beyond tokens_on_m_rows (see above TOKENS_ON_M_MAX_M)
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
