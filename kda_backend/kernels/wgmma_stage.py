@@ -83,7 +83,9 @@ FUSED_STAGES = ((48, 10), (64, 8))  # (largest token tile, slots)
 # (29.09 / 30.68 in 7) and 31.69 at 160 in 7 (33.02 in 6), where sequential cuBLAS took 31.34 / 33.23 / 32.67 in a
 # `bench` on the same H200; 32.44 / 33.95 at 176 / 192 in 7 slots and 38.26 at 224 in 6, against sequential
 # cuBLAS's 41.52 / 39.03 / 46.03 and the plan's 35.44 / 36.63 / 39.46 in another H200's `bench`
-# (benchmarks/results/h200-large-m/tp8-token-tiles/). Larger tiles were not timed.
+# (benchmarks/results/h200-large-m/tp8-token-tiles/). The stage stops at 224 tokens: with 256-token tiles in 5 slots it
+# took 42.01 / 42.27 / 43.67 us at M = 232 / 240 / 256 against sequential cuBLAS's 43.99 / 41.14 / 39.50 on the same
+# H200 (benchmarks/results/levers/fused-stage-256/), never past the autotuner's 5 % margin.
 TOKENS_ON_M_MAX_M = 64
 # QKVG CTAs of 64 rows or more (Kimi-K3 TP 4: 96) take tokens on M in two consumer warpgroups up to 128 tokens: each
 # activation byte feeds twice the rows of TP 8's 48-row CTAs. QKVG alone, H200, TP 4 (qkvg_tactics.py --tp 4,
