@@ -104,7 +104,7 @@ def _gemm_time(weights, role: str, m: int, provider: str, plan: Plan) -> tuple[f
     return graph_time_per_layer(run, layers=LAYERS), tactic, ctas
 
 
-def _layer_decode_time(geometry: KDAGeometry, plan: Plan, m: int, device: torch.device) -> float:
+def layer_decode_time(geometry: KDAGeometry, plan: Plan, m: int, device: torch.device) -> float:
     """Seconds per layer of one full KimiK3DeltaAttention decode step (M sequences, one token each)."""
     from kda_backend.layer import KimiK3DeltaAttention
     from kda_backend.reference import KDALayerWeights
@@ -184,7 +184,7 @@ def run_bench(
     for m in LAYER_MS:
         if m not in ms:
             continue
-        layer_us = _layer_decode_time(geometry, plan, m, device) * 1e6
+        layer_us = layer_decode_time(geometry, plan, m, device) * 1e6
         ours = next(r["ours"] for r in rows if r["m"] == m)
         layer_rows.append({"m": m, "layer": layer_us, "projection": ours, "share": ours / layer_us})
     return {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
-TOOLS = ["eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_forms", "stage_timeline"]
+TOOLS = ["decode_step_plans", "eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_forms", "stage_timeline"]
 
 
 @pytest.fixture
@@ -43,6 +43,7 @@ def test_help_as_a_script(name):
 @pytest.mark.parametrize(
     ("name", "argv"),
     [
+        ("decode_step_plans", ["1,16", "plan.json"]),
         ("eager_host_profile", ["1,16"]),
         ("kernel_sweep", ["--skip-check"]),
         ("qkvg_tactics", ["1,16", "n48k256s4p"]),

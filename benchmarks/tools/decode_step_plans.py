@@ -1,0 +1,51 @@
+"""GPU time per layer of the full ``KimiK3DeltaAttention`` decode step under each of several stored plans, alternated
+in one process, so that plans are compared under the same clocks (``bench``'s layer rows come from one plan per
+process, and one process's timing can read a few per cent off another's).
+
+For each M and each of ``ROUNDS`` rounds, every plan's decode step is timed in turn as ``bench`` times its layer rows
+(:func:`kda_backend.bench.layer_decode_time`: a CUDA graph of 24 layers over 6 weight copies, median of replays),
+then the median over the rounds per plan is printed with its ratio to the first plan's.
+
+Example (GPU): python benchmarks/tools/decode_step_plans.py --tp 16 1,4,16 new/plan.json old/plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+from stage_operands import require_cuda, token_counts
+
+from kda_backend.bench import layer_decode_time
+from kda_backend.geometry import preset
+from kda_backend.plan_store import read_file
+
+ROUNDS = 3
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ms", type=token_counts, help="comma-separated token counts M, e.g. 1,4,16")
+    ap.add_argument("plans", type=Path, nargs="+", help="stored plan files (`kda-backend autotune` wrote them)")
+    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the Kimi-K3 shapes (default 8)")
+    args = ap.parse_args(argv)
+    require_cuda()
+    device = torch.device("cuda", torch.cuda.current_device())
+    geometry = preset("kimi-k3", args.tp)
+    plans = [read_file(path)[1] for path in args.plans]
+    for m in args.ms:
+        times: list[list[float]] = [[] for _ in plans]
+        for _ in range(ROUNDS):
+            for plan, found in zip(plans, times):
+                found.append(layer_decode_time(geometry, plan, m, device) * 1e6)
+        first = statistics.median(times[0])
+        for path, found in zip(args.plans, times):
+            median = statistics.median(found)
+            print(f"M={m:3} {str(path):40} decode step {median:7.2f} us ({median / first:.3f}x the first plan; "
+                  f"rounds {', '.join(f'{t:.2f}' for t in found)})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
