@@ -5,9 +5,9 @@ is served from L2) - see :mod:`kda_backend.timing`:
 
 1. CuTe tactics, per role and tactic bucket (:func:`~kda_backend.kernels.tactics.tactic_bucket`), timed at a
    few M of the bucket and chosen by their worst slowdown at any of them (:func:`most_robust`): the side chain's
-   kernels alone, then QKVG (both kernel families where the device runs ``wgmma``, see :func:`wgmma_candidates_at`;
-   above 64 tokens also over the packed ``[QKVG; FAB]`` weight, for a sequential step's one GEMM) and the side
-   chain's again inside the overlapped stage, where side chains that tie are told apart by the stage without a fork (see
+   kernels alone, then QKVG (both kernel families where the device runs ``wgmma``; above 64 tokens also over the
+   packed ``[QKVG; FAB]`` weight, for a sequential step's one GEMM) and the side chain's again
+   inside the overlapped stage, where side chains that tie are told apart by the stage without a fork (see
    :func:`tune_tactics`).
 2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
    candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path, in the
@@ -30,7 +30,7 @@ from kda_backend.accuracy import output_error
 from kda_backend.batch_sizes import engine_batch_sizes
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
-from kda_backend.kernels.skinny_gemm import MMA_SHAPE, Tactic, candidate_tactics, default_tactic
+from kda_backend.kernels.skinny_gemm import Tactic, candidate_tactics, default_tactic
 from kda_backend.kernels.tactics import (
     SINGLE_TOKEN_BUCKET,
     LARGE_M_SKINNY_ROLES,
@@ -41,12 +41,7 @@ from kda_backend.kernels.tactics import (
     tactic_bucket,
     wgmma_serves,
 )
-from kda_backend.kernels.wgmma_gemm import (
-    default_wgmma_tactic,
-    leaves_room,
-    tokens_on_m_rows,
-    wgmma_candidate_tactics,
-)
+from kda_backend.kernels.wgmma_gemm import default_wgmma_tactic, leaves_room, wgmma_candidate_tactics
 from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step, TacticTable
 from kda_backend.plugins import hooks
 from kda_backend.projection import KDAProjection
@@ -228,7 +223,7 @@ def tune_tactics(
         top = BUCKET_MS[bucket][-1]
         qkvg_key, fab_key = ("qkvg", q_n, q_k, bucket), ("fab", f_n, f_k, bucket)
         wgmma = []
-        if wgmma_serves("qkvg", capability) and wgmma_candidates_at(bucket, q_n):
+        if wgmma_serves("qkvg", capability) and bucket >= WGMMA_MIN_BUCKET:
             wgmma = _wgmma_finalists(weights, "qkvg", q_n, q_k, q_xs, bucket, progress)
         if bucket > SKINNY_MAX_M:  # no CuTe side chain here: the fastest QKVG alone (none right: cuBLAS serves)
             if wgmma:
@@ -262,21 +257,9 @@ def tune_tactics(
     return table
 
 
-# The smallest bucket whose QKVG candidates include the wgmma kernel where mma.sync spreads QKVG's rows evenly over
-# the SMs: at 16 tokens and fewer it streams at 96-99 % of copy bandwidth on H200 (Kimi-K3 TP 8).
+# The smallest bucket whose QKVG candidates include the wgmma kernel: at 16 tokens and fewer mma.sync streams at
+# 96-99 % of copy bandwidth on H200.
 WGMMA_MIN_BUCKET = 32
-
-
-def wgmma_candidates_at(bucket: int, n: int) -> bool:
-    """Whether QKVG's candidates at ``bucket`` include the wgmma kernel for ``n`` weight rows: from
-    :data:`WGMMA_MIN_BUCKET` on, and at every bucket where the rows each SM would stream
-    (:func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows`) are no whole number of the ``mma.sync`` kernel's
-    16-row MMA tiles, so its CTAs cannot share the rows evenly over the SMs. Kimi-K3 TP 16 (24 rows per SM):
-    ``mma.sync`` runs 96 CTAs of 32 rows (36 SMs idle) or 192 of 16 (60 SMs with two). Measured on H200
-    (`benchmarks/results/levers/tp16-wgmma-small-m/`): the overlapped stage took 14.14 / 14.37 / 14.81 us at M = 1 /
-    8 / 16 with the plan's ``n32k256s4p`` against 13.34 / 13.50 with 128 tokens-on-M CTAs of 24 rows
-    (``w24k64s12mp``) and 13.57 at M = 16 with 128 swap-AB CTAs of 24 rows (``w24k64s12p``)."""
-    return bucket >= WGMMA_MIN_BUCKET or tokens_on_m_rows(n) % MMA_SHAPE[0] != 0
 
 
 def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic]:

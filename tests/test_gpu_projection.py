@@ -145,21 +145,6 @@ def test_graph_replay_equals_eager_bitwise_with_tokens_on_m_qkvg(m, step):
     _check_replay_equals_eager(m, True, step, TOKENS_ON_M_TP8)
 
 
-# TP 16 up to 16 tokens: wgmma QKVG on 128 CTAs of 24 rows (tokens on M for one token, swap-AB up to 16), where
-# mma.sync's 16-row tiles cannot share QKVG's rows evenly over the SMs (autotune.wgmma_candidates_at).
-WGMMA_SMALL_M_TP16 = {
-    ("qkvg", 3072, 7168, 1): WgmmaTactic(24, 64, 8, 12, tokens_on_m=True),
-    ("qkvg", 3072, 7168, 16): WgmmaTactic(24, 64, 16, 12),
-}
-
-
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_graph_replay_equals_eager_bitwise_with_wgmma_qkvg_up_to_16_tokens_at_tp16(m):
-    """Those tactics beside the CuTe side chain (trailing QKVG on one stream in eager, no one-launch stage)."""
-    assert isinstance(Plan(tactics=WGMMA_SMALL_M_TP16).tactic_for("qkvg", 3072, 7168, m), WgmmaTactic)
-    _check_replay_equals_eager(m, True, Step(overlap=True), WGMMA_SMALL_M_TP16, tp=16)
-
-
 @pytest.mark.parametrize("tp", [4, 8], ids=lambda t: f"tp{t}")
 def test_wgmma_qkvg_matches_reference_up_to_256_tokens(tp):
     """Above 64 tokens the wgmma kernel serves tactics a plan tuned (here its defaults, as tuned)."""

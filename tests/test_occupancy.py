@@ -238,33 +238,6 @@ def _side_chain_choice(monkeypatch, forked, trailing, break_ties=True):
     return chosen[FB_KEY], lines
 
 
-@pytest.mark.parametrize("tp_size, wgmma_at_16", [(8, False), (4, False), (16, True)])
-def test_wgmma_qkvg_joins_small_buckets_only_where_mma_sync_cannot_share_the_rows_evenly(monkeypatch, tp_size,
-                                                                                          wgmma_at_16):
-    """Up to 16 tokens the wgmma QKVG candidates are timed only where each SM's share of QKVG's rows is no whole
-    number of 16-row MMA tiles (Kimi-K3 TP 16: 24 rows), and there a wgmma tactic faster in the stage is kept."""
-    g = preset("kimi-k3", tp_size)
-    qkvg_key = ("qkvg", g.qkvg_rows, g.hidden_size, 16)
-    staged = []
-
-    def time_step(weights, step, m, tactics):
-        staged.append(tactics[qkvg_key])
-        return 0.5e-6 if isinstance(staged[-1], WgmmaTactic) else 1e-6
-
-    monkeypatch.setattr(autotune, "time_tactic", lambda weights, role, tactic, m: 1e-6)
-    monkeypatch.setattr(autotune, "time_step", time_step)
-    monkeypatch.setattr(autotune, "time_trailing", lambda weights, m, tactics: None)
-    monkeypatch.setattr(autotune, "tactic_error", lambda weights, role, tactic, m: None)
-    monkeypatch.setattr(autotune, "device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(SmBudget, "of", classmethod(lambda cls, device: H200))
-    weights = [types.SimpleNamespace(geometry=g, device=torch.device("cpu"), packed=object())]
-    table = autotune.tune_tactics(g, weights, [16])
-    assert autotune.wgmma_candidates_at(16, g.qkvg_rows) is wgmma_at_16
-    assert any(isinstance(t, WgmmaTactic) for t in staged) is wgmma_at_16
-    assert isinstance(table[qkvg_key], WgmmaTactic) is wgmma_at_16
-    assert autotune.wgmma_candidates_at(32, g.qkvg_rows)
-
-
 def test_side_chain_ties_in_the_forked_stage_go_to_the_faster_stage_without_a_fork(monkeypatch):
     """Within 1 % of the fastest forked stage the stage without a fork decides (there a padded F_B ring cost 4 us on
     H200); a candidate outside the tie never wins on that form, however fast there."""

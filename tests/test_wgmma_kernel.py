@@ -213,8 +213,6 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
     (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
     (WgmmaTactic(24, 64, 128, 9, split_k=2), FAB),
-    (WgmmaTactic(24, 64, 8, 12, tokens_on_m=True), 3072),  # Kimi-K3 TP 16 QKVG up to 16 tokens
-    (WgmmaTactic(24, 64, 16, 12), 3072),
 ]
 
 
