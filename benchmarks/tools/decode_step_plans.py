@@ -4,9 +4,11 @@ process, and one process's timing can read a few per cent off another's).
 
 For each M and each of ``ROUNDS`` rounds, every plan's decode step is timed in turn as ``bench`` times its layer rows
 (:func:`kda_backend.bench.layer_decode_time`: a CUDA graph of 24 layers over 6 weight copies, median of replays),
-then the median over the rounds per plan is printed with its ratio to the first plan's.
+then the median over the rounds per plan is printed with its ratio to the first plan's. The name ``cublas`` stands for
+the plan of sequential cuBLAS (``bench``'s ``seq_cuBLAS``, the engines' own eager path).
 
 Example (GPU): python benchmarks/tools/decode_step_plans.py --tp 16 1,4,16 new/plan.json old/plan.json
+               python benchmarks/tools/decode_step_plans.py 1,16,64,128 plan.json cublas
 """
 
 from __future__ import annotations
@@ -20,21 +22,23 @@ from stage_operands import require_cuda, token_counts
 
 from kda_backend.bench import layer_decode_time
 from kda_backend.geometry import preset
+from kda_backend.plan import SEQUENTIAL_TORCH, Plan
 from kda_backend.plan_store import read_file
 
 ROUNDS = 3
+SEQUENTIAL_CUBLAS = Plan(fallback=SEQUENTIAL_TORCH)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ms", type=token_counts, help="comma-separated token counts M, e.g. 1,4,16")
-    ap.add_argument("plans", type=Path, nargs="+", help="stored plan files (`kda-backend autotune` wrote them)")
+    ap.add_argument("plans", nargs="+", help="stored plan files (`kda-backend autotune` wrote them), or cublas")
     ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the Kimi-K3 shapes (default 8)")
     args = ap.parse_args(argv)
     require_cuda()
     device = torch.device("cuda", torch.cuda.current_device())
     geometry = preset("kimi-k3", args.tp)
-    plans = [read_file(path)[1] for path in args.plans]
+    plans = [SEQUENTIAL_CUBLAS if name == "cublas" else read_file(Path(name))[1] for name in args.plans]
     for m in args.ms:
         times: list[list[float]] = [[] for _ in plans]
         for _ in range(ROUNDS):
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         first = statistics.median(times[0])
         for path, found in zip(args.plans, times):
             median = statistics.median(found)
-            print(f"M={m:3} {str(path):40} decode step {median:7.2f} us ({median / first:.3f}x the first plan; "
+            print(f"M={m:3} {path:40} decode step {median:7.2f} us ({median / first:.3f}x the first plan; "
                   f"rounds {', '.join(f'{t:.2f}' for t in found)})", flush=True)
 
 
