@@ -8,7 +8,9 @@ with rotated weights, see :mod:`kda_backend.timing`):
 - ``ours``: this device's tuned plan (or whatever :func:`~kda_backend.planning.resolve_plan` gives);
 - ``vllm_native`` / ``sglang_native``: each engine's own decision at that M on this GPU (:mod:`kda_backend.native`);
 - ``qkvg_cublas`` / ``qkvg_cute`` / ``fab_cute`` / ``fb_cute``: single GEMMs alone, for the kernel report (which
-  also names the CuTe tactics, so a run records what the tuner chose).
+  also names the CuTe tactics, so a run records what the tuner chose);
+- the whole ``KimiK3DeltaAttention`` decode step at :data:`LAYER_MS` under ours and under ``seq_cublas``, alternated:
+  what a stage's gain leaves in the layer.
 
 The floor at each M is the longer of weight bytes / copy bandwidth and the stage's FLOPs / the dense bf16 rate of a
 large square ``torch.mm``, both measured in the same run. By default every batch size either engine
@@ -184,9 +186,20 @@ def run_bench(
     for m in LAYER_MS:
         if m not in ms:
             continue
-        layer_us = layer_decode_time(geometry, plan, m, device) * 1e6
+        # The decode step under sequential cuBLAS too, alternated with ours: a stage timed alone overlaps each
+        # layer's start with the one before (PDL), which a decode step's other kernels leave less room for.
+        variants = {"ours": plan}
+        if plan.step(m) != SEQUENTIAL_TORCH:
+            variants["seq_cublas"] = Plan(fallback=SEQUENTIAL_TORCH)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(STAGE_ROUNDS):
+            for name, variant in variants.items():
+                times[name].append(layer_decode_time(geometry, variant, m, device) * 1e6)
+        layer_us = statistics.median(times["ours"])
+        seq_us = statistics.median(times.get("seq_cublas", times["ours"]))
         ours = next(r["ours"] for r in rows if r["m"] == m)
-        layer_rows.append({"m": m, "layer": layer_us, "projection": ours, "share": ours / layer_us})
+        layer_rows.append({"m": m, "layer": layer_us, "layer_seq_cublas": seq_us, "projection": ours,
+                           "share": ours / layer_us})
     return {
         "device": torch.cuda.get_device_name(device),
         "capability": list(torch.cuda.get_device_capability(device)),
@@ -251,9 +264,12 @@ def render_table(results: dict[str, Any]) -> str:
                          f"{r['eager_ours'] / r['eager_seq_cublas']:>8.3f} {r['host_ours']:>9.2f} "
                          f"{r['host_seq_cublas']:>8.2f}")
     if results.get("layer_rows"):
-        lines += ["", f"{'M':>4} {'KDA decode step':>15} {'projection':>10} {'share':>6}"]
+        lines += ["", "KDA decode step (the whole layer; us per layer, projection = ours in the stage table)",
+                  f"{'M':>4} {'ours':>8} {'seq_cuBLAS':>10} {'seq/ours':>8} {'projection':>10} {'share':>6}"]
         for r in results["layer_rows"]:
-            lines.append(f"{r['m']:>4} {r['layer']:>15.2f} {r['projection']:>10.2f} {r['share'] * 100:>5.1f}%")
+            seq = r.get("layer_seq_cublas")  # results written before the bench timed it have none
+            cells = f"{seq:>10.2f} {seq / r['layer']:>8.3f}" if seq is not None else f"{'-':>10} {'-':>8}"
+            lines.append(f"{r['m']:>4} {r['layer']:>8.2f} {cells} {r['projection']:>10.2f} {r['share'] * 100:>5.1f}%")
     return "\n".join(lines)
 
 

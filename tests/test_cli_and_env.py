@@ -195,6 +195,19 @@ def test_bench_table_compares_ours_with_each_engines_own_stage_and_reports_eager
     assert "   4    44.00      40.00    1.100     20.00    15.00" in table
 
 
+def test_bench_table_sets_the_decode_step_beside_sequential_cublas():
+    from kda_backend.bench import render_table
+
+    rows = [{"m": 1, "floor": 21.5, "plan": {"overlap": True, "qkvg": "cute", "fab": "cute", "fb": "cute"},
+             "seq_cublas": 28.7, "peers": 27.0, "ours": 21.2}]
+    layer_rows = [{"m": 1, "layer": 65.22, "layer_seq_cublas": 69.42, "projection": 21.2, "share": 21.2 / 65.22},
+                  {"m": 4, "layer": 76.43, "projection": 21.3, "share": 21.3 / 76.43}]  # written before seq_cuBLAS
+    table = render_table({"device": "X", "copy_bandwidth_tbs": 4.2, "plan_source": "test", "rows": rows,
+                          "layer_rows": layer_rows})
+    assert "   1    65.22      69.42    1.064      21.20  32.5%" in table
+    assert "   4    76.43          -        -      21.30  27.9%" in table
+
+
 def test_engine_batch_sizes_and_native_decisions():
     from kda_backend import native
     from kda_backend.batch_sizes import engine_batch_sizes, spans
