@@ -186,8 +186,9 @@ def run_bench(
     for m in LAYER_MS:
         if m not in ms:
             continue
-        # The decode step under sequential cuBLAS too, alternated with ours: a stage timed alone overlaps each
-        # layer's start with the one before (PDL), which a decode step's other kernels leave less room for.
+        # The decode step under sequential cuBLAS too, alternated with ours: a stage timed between stages of the
+        # same kernels need not show what the layer gains (H200, TP 8: 48-63 % of it at M = 1..16 in the decode
+        # step, benchmarks/RESULTS.md).
         variants = {"ours": plan}
         if plan.step(m) != SEQUENTIAL_TORCH:
             variants["seq_cublas"] = Plan(fallback=SEQUENTIAL_TORCH)
