@@ -123,6 +123,18 @@ def layer_decode_time(geometry: KDAGeometry, plan: Plan, m: int, device: torch.d
     return graph_time_per_layer(lambda i: layers[i % COPIES](xs[i % COPIES], *states[i % COPIES]), layers=LAYERS)
 
 
+def decode_step_times(
+    geometry: KDAGeometry, plans: dict[str, Plan], m: int, device: torch.device, rounds: int = STAGE_ROUNDS
+) -> dict[str, list[float]]:
+    """Microseconds per layer of the whole decode step (:func:`layer_decode_time`) under each of ``plans``, by name,
+    timed in turn for ``rounds`` rounds: plans compared under the same clocks."""
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(rounds):
+        for name, plan in plans.items():
+            times[name].append(layer_decode_time(geometry, plan, m, device) * 1e6)
+    return times
+
+
 def run_bench(
     geometry: KDAGeometry,
     ms: tuple[int, ...] = DEFAULT_MS,
@@ -192,10 +204,7 @@ def run_bench(
         variants = {"ours": plan}
         if plan.step(m) != SEQUENTIAL_TORCH:
             variants["seq_cublas"] = Plan(fallback=SEQUENTIAL_TORCH)
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(STAGE_ROUNDS):
-            for name, variant in variants.items():
-                times[name].append(layer_decode_time(geometry, variant, m, device) * 1e6)
+        times = decode_step_times(geometry, variants, m, device)
         layer_us = statistics.median(times["ours"])
         seq_us = statistics.median(times.get("seq_cublas", times["ours"]))
         ours = next(r["ours"] for r in rows if r["m"] == m)

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
-TOOLS = ["decode_step_plans", "eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_forms", "stage_timeline"]
+TOOLS = [
+    "decode_step_plans", "eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_forms",
+    "stage_timeline",
+]
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """GPU time per layer of the full ``KimiK3DeltaAttention`` decode step under each of several stored plans, alternated
-in one process, so that plans are compared under the same clocks (``bench``'s layer rows come from one plan per
-process, and one process's timing can read a few per cent off another's).
+in one process, so that plans are compared under the same clocks (one process's timing can read a few per cent off
+another's). ``bench``'s layer rows compare its one plan with sequential cuBLAS the same way.
 
 For each M and each of ``ROUNDS`` rounds, every plan's decode step is timed in turn as ``bench`` times its layer rows
-(:func:`kda_backend.bench.layer_decode_time`: a CUDA graph of 24 layers over 6 weight copies, median of replays),
+(:func:`kda_backend.bench.decode_step_times`: a CUDA graph of 24 layers over 6 weight copies, median of replays),
 then the median over the rounds per plan is printed with its ratio to the first plan's. The name ``cublas`` stands for
 the plan of sequential cuBLAS (``bench``'s ``seq_cuBLAS``, the engines' own eager path).
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from stage_operands import require_cuda, token_counts
 
-from kda_backend.bench import layer_decode_time
+from kda_backend.bench import decode_step_times
 from kda_backend.geometry import preset
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan
 from kda_backend.plan_store import read_file
@@ -38,16 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     require_cuda()
     device = torch.device("cuda", torch.cuda.current_device())
     geometry = preset("kimi-k3", args.tp)
-    plans = [SEQUENTIAL_CUBLAS if name == "cublas" else read_file(Path(name))[1] for name in args.plans]
+    plans = {name: SEQUENTIAL_CUBLAS if name == "cublas" else read_file(Path(name))[1] for name in args.plans}
     for m in args.ms:
-        times: list[list[float]] = [[] for _ in plans]
-        for _ in range(ROUNDS):
-            for plan, found in zip(plans, times):
-                found.append(layer_decode_time(geometry, plan, m, device) * 1e6)
-        first = statistics.median(times[0])
-        for path, found in zip(args.plans, times):
+        times = decode_step_times(geometry, plans, m, device, ROUNDS)
+        first = statistics.median(times[args.plans[0]])
+        for name, found in times.items():
             median = statistics.median(found)
-            print(f"M={m:3} {path:40} decode step {median:7.2f} us ({median / first:.3f}x the first plan; "
+            print(f"M={m:3} {name:40} decode step {median:7.2f} us ({median / first:.3f}x the first plan; "
                   f"rounds {', '.join(f'{t:.2f}' for t in found)})", flush=True)
 
 
