@@ -12,7 +12,7 @@ import torch
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
 TOOLS = [
     "decode_step_plans", "eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_forms",
-    "stage_timeline",
+    "stage_in_context", "stage_timeline",
 ]
 
 
@@ -52,6 +52,7 @@ def test_help_as_a_script(name):
         ("qkvg_tactics", ["1,16", "n48k256s4p"]),
         ("side_chain", ["1,16", "split"]),
         ("stage_forms", ["1,16"]),
+        ("stage_in_context", ["1,16", "plan.json"]),
         ("stage_timeline", ["1,16"]),
     ],
 )
@@ -73,6 +74,19 @@ def test_stage_forms_names_an_unreadable_plan_file(tools_on_path, tmp_path):
         with pytest.raises(SystemExit) as exit_info:
             stage_forms.main(["16", "--plan", str(path)])
         assert str(exit_info.value.code).startswith(f"--plan {path}: ")
+
+
+def test_stage_in_context_names_an_unreadable_plan_file(tools_on_path, tmp_path, monkeypatch):
+    import stage_in_context
+
+    monkeypatch.setattr(stage_in_context, "require_cuda", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bad = tmp_path / "plan.json"
+    bad.write_text("{not json")
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as exit_info:
+            stage_in_context.main(["16", str(path)])
+        assert str(exit_info.value.code).startswith(f"plan {path}: ")
 
 
 def test_tactic_keys(tools_on_path):
