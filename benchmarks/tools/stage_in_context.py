@@ -13,9 +13,9 @@ stage may start while the previous stage drains. Before each stage this tool lau
 and, for reference, the whole ``KimiK3DeltaAttention`` decode step (``bench``'s layer rows). Every context times
 in turn, ``ROUNDS`` rounds (CUDA graphs of 24 layers over 6 weight copies, medians): the plan, sequential cuBLAS,
 ``peers`` (the engines' Hopper overlap of cuBLAS GEMMs, ``bench``'s column), the context's kernel by itself, and
-QKVG alone, on the plan's CuTe tactic (the fused stage's where the plan fuses) and on cuBLAS. It prints what the plan
-saves over each baseline, and what the context adds to each stage beyond its own kernel's time (the part of a
-stage that the previous stage hid).
+QKVG alone, on the plan's CuTe tactic (the fused stage's where the plan fuses), on cuBLAS and on the tactics
+``--qkvg`` names. It prints what the plan saves over each baseline, and what the context adds to each stage beyond its
+own kernel's time (the part of a stage that the previous stage hid).
 
 Example (GPU): python benchmarks/tools/stage_in_context.py 1,16,64,128 plan.json
 """
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from stage_operands import require_cuda, token_counts
+from stage_operands import TACTIC_HELP, parse_tactic, require_cuda, token_counts
 
 from kda_backend import dispatch
 from kda_backend.autotune import COPIES, LAYERS, make_weight_copies
@@ -68,7 +68,8 @@ class Operands:
 
 
 def variant_call(ops: Operands, plans: dict[str, Plan], variant: str, m: int) -> Callable[[int], object]:
-    """``call(c)``: the variant's work on weight copy ``c`` (the context's kernel not included)."""
+    """``call(c)``: the variant's work on weight copy ``c`` (the context's kernel not included); a variant that is
+    none of :data:`VARIANTS` is a QKVG tactic key."""
     if variant in plans:
         projs = [KDAProjection(w, plans[variant]) for w in ops.weights]
         for p in projs:
@@ -80,6 +81,9 @@ def variant_call(ops: Operands, plans: dict[str, Plan], variant: str, m: int) ->
     if variant == "QKVG cuBLAS":
         return lambda c: torch.mm(ops.xs[c], w_qkvg[c].t(), out=ops.outs[c])
     g = ops.weights[0].geometry
+    if variant != "QKVG cute":
+        tactic = parse_tactic(variant, m)
+        return lambda c: launch(tactic, ops.xs[c], w_qkvg[c], ops.outs[c])
     tactic = fused_stage_tactic(g.qkvg_rows, g.hidden_size, m) if plans["plan"].step(m).fused else None
     if tactic is None:
         proj = KDAProjection(ops.weights[0], plans["plan"])
@@ -87,9 +91,12 @@ def variant_call(ops: Operands, plans: dict[str, Plan], variant: str, m: int) ->
     return lambda c: launch(tactic, ops.xs[c], w_qkvg[c], ops.outs[c])
 
 
-def context_times(ops: Operands, plans: dict[str, Plan], m: int, context: str) -> dict[str, list[float]]:
-    """Microseconds per layer of each of :data:`VARIANTS`, each layer's preceded by ``context``'s kernel."""
-    calls = {v: variant_call(ops, plans, v, m) for v in VARIANTS}
+def context_times(
+    ops: Operands, plans: dict[str, Plan], m: int, context: str, qkvg_keys: list[str]
+) -> dict[str, float]:
+    """Microseconds per layer of each of :data:`VARIANTS` and QKVG alone on each tactic of ``qkvg_keys``, each
+    layer's work preceded by ``context``'s kernel."""
+    calls = {v: variant_call(ops, plans, v, m) for v in (*VARIANTS, *qkvg_keys)}
     if plans["plan"].step(m).qkvg != "cute":
         del calls["QKVG cute"]
     if context == "alone":
@@ -118,7 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("ms", type=token_counts, help="comma-separated token counts M, e.g. 1,16,64")
     ap.add_argument("plan", type=Path, help="stored plan file (`kda-backend autotune` wrote it)")
     ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the Kimi-K3 shapes (default 8)")
+    ap.add_argument("--qkvg", default="", help=f"comma-separated QKVG tactics also timed alone; {TACTIC_HELP}")
     args = ap.parse_args(argv)
+    qkvg_keys = [k for k in args.qkvg.split(",") if k]
+    for key in qkvg_keys:
+        parse_tactic(key, 1)  # a key that does not parse exits here, naming it
     require_cuda()
     device = torch.device("cuda", torch.cuda.current_device())
     geometry = preset("kimi-k3", args.tp)
@@ -131,10 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     print("us per layer; +ctx: what the context adds beyond its own kernel's time", flush=True)
     for m in args.ms:
         ops = Operands(weights, m)
-        alone = context_times(ops, plans, m, "alone")
+        alone = context_times(ops, plans, m, "alone", qkvg_keys)
         report(m, "alone", alone, 0.0)
         for context in CONTEXTS[1:]:
-            t = context_times(ops, plans, m, context)
+            t = context_times(ops, plans, m, context, qkvg_keys)
             own = t.pop("context only")
             report(m, context, t, own)
             print(f"M={m:3} {context:7} +ctx " + "  ".join(f"{v} {x - own - alone[v]:+5.2f}" for v, x in t.items()),
