@@ -89,6 +89,14 @@ def test_stage_in_context_names_an_unreadable_plan_file(tools_on_path, tmp_path,
         assert str(exit_info.value.code).startswith(f"plan {path}: ")
 
 
+def test_stage_in_context_names_a_qkvg_key_that_does_not_parse(tools_on_path):
+    import stage_in_context
+
+    with pytest.raises(SystemExit) as exit_info:
+        stage_in_context.main(["16", "plan.json", "--qkvg", "w48k64s10m,bogus"])
+    assert str(exit_info.value.code).startswith("tactic 'bogus' does not read as")
+
+
 def test_tactic_keys(tools_on_path):
     from stage_operands import parse_tactic, token_counts
 

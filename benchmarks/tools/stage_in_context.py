@@ -80,10 +80,10 @@ def variant_call(ops: Operands, plans: dict[str, Plan], variant: str, m: int) ->
     w_qkvg = [w.of_role("qkvg") for w in ops.weights]
     if variant == "QKVG cuBLAS":
         return lambda c: torch.mm(ops.xs[c], w_qkvg[c].t(), out=ops.outs[c])
-    g = ops.weights[0].geometry
     if variant != "QKVG cute":
         tactic = parse_tactic(variant, m)
         return lambda c: launch(tactic, ops.xs[c], w_qkvg[c], ops.outs[c])
+    g = ops.weights[0].geometry
     tactic = fused_stage_tactic(g.qkvg_rows, g.hidden_size, m) if plans["plan"].step(m).fused else None
     if tactic is None:
         proj = KDAProjection(ops.weights[0], plans["plan"])
@@ -96,11 +96,12 @@ def context_times(
 ) -> dict[str, float]:
     """Microseconds per layer of each of :data:`VARIANTS` and QKVG alone on each tactic of ``qkvg_keys``, each
     layer's work preceded by ``context``'s kernel."""
-    calls = {v: variant_call(ops, plans, v, m) for v in (*VARIANTS, *qkvg_keys)}
+    variants = [*VARIANTS, *qkvg_keys]
     if plans["plan"].step(m).qkvg != "cute":
-        del calls["QKVG cute"]
+        variants.remove("QKVG cute")
     if context == "alone":
-        del calls["context only"]  # an empty graph
+        variants.remove("context only")  # an empty graph
+    calls = {v: variant_call(ops, plans, v, m) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in calls}
     for _ in range(ROUNDS):
         for v, call in calls.items():
