@@ -9,9 +9,11 @@ is served from L2) - see :mod:`kda_backend.timing`:
    packed ``[QKVG; FAB]`` weight, for a sequential step's one GEMM) and the side chain's again
    inside the overlapped stage, where side chains that tie are told apart by the stage without a fork (see
    :func:`tune_tactics`).
-2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), each
-   candidate running through :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path, in the
-   forked form the engines' decode graphs run, whatever the host answers outside them (``for_tuning``).
+2. Per M: overlapped or sequential x provider of QKVG x provider of the side chain (F_A/beta and F_B), and the
+   fused step where a provider runs the stage as one launch, each candidate running through
+   :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path, in the forked form the engines'
+   decode graphs run, whatever the host answers outside them (``for_tuning``); a fused step that ties with the
+   fastest is kept (:data:`FUSED_TIE`).
 
 Tuning compiles kernels and captures graphs, so it runs before the engine captures its own graphs, never inside.
 """
@@ -66,6 +68,11 @@ RETIMING_ROUNDS = 2
 # Side-chain finalists whose forked stage is within this factor of the best one's at every M tie (one stage timing
 # varies by up to 0.5 us on some H200s); the tie goes to the one whose stage without a fork is fastest.
 FORKED_TIE = 1.01
+# A fused step whose stage is within this factor of the fastest step's is kept instead: it is the same one launch
+# with or without a fork (piecewise graphs, eager calls), where an overlapped step trails its side chain, and in the
+# whole decode step it measured 0.1-1.7 us faster than the overlapped step at M = 1..16 (H200, TP 8), where the
+# stage alone timed the two within 0.5 % at M = 1 (benchmarks/RESULTS.md, lever table).
+FUSED_TIE = 1.01
 # A step other than sequential cuBLAS (the engines' own eager path) is kept only where it is at least this much
 # faster than it: one process's timing of a step can read several per cent off another's, so a narrower win does not
 # promise the step is never slower than the engine's own. H200, TP 4: a step timed 77.91 us in the autotuner took
@@ -537,8 +544,9 @@ def tune_plan(
     tactics: TacticTable | None = None,
 ) -> tuple[Plan, dict[int, dict[str, float]]]:
     """Per M, the fastest step with CuTe ``tactics`` (which the plan keeps) among those that compute right
-    (:func:`step_error`), where it beats sequential cuBLAS by :data:`NATIVE_MARGIN`, else sequential cuBLAS; also
-    returns every candidate's time (seconds per layer) for reports."""
+    (:func:`step_error`), a fused one where it ties with the fastest (:data:`FUSED_TIE`), where it beats sequential
+    cuBLAS by :data:`NATIVE_MARGIN`, else sequential cuBLAS; also returns every candidate's time (seconds per layer)
+    for reports."""
     tactics = tactics or {}
     steps: dict[int, Step] = {}
     timings: dict[int, dict[str, float]] = {}
@@ -557,11 +565,25 @@ def tune_plan(
         if not results:
             raise RuntimeError(f"no projection step computed right at M={m} on this device, sequential cuBLAS "
                                "included; the device or its libraries are at fault")
-        best_time, best, note = _keep_native_unless_clearly_beaten(results)
+        kept, tie = _fused_wins_a_tie(results)
+        best_time, best, note = _keep_native_unless_clearly_beaten(kept)
+        note = tie + note if best.fused else note
         steps[m] = best
         timings[m] = {_step_label(s): t for t, s in results}
         progress(f"M={m}: {_step_label(best)} {best_time * 1e6:.2f} us{note}")
     return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH, tactics=tactics), timings
+
+
+def _fused_wins_a_tie(results: list[tuple[float, Step]]) -> tuple[list[tuple[float, Step]], str]:
+    """``(results, note)``: ``results`` without the steps faster than the fastest fused step where that one is within
+    :data:`FUSED_TIE` of the fastest step (sequential cuBLAS stays, for the margin it is weighed by), and a note naming
+    the fastest step it beat on the tie."""
+    fastest_time, fastest = min(results, key=lambda r: r[0])
+    fused = min(((t, s) for t, s in results if s.fused), key=lambda r: r[0], default=None)
+    if fused is None or fused[1] == fastest or fused[0] > FUSED_TIE * fastest_time:
+        return results, ""
+    kept = [(t, s) for t, s in results if t >= fused[0] or s == SEQUENTIAL_TORCH]
+    return kept, f" (fused wins the tie with {_step_label(fastest)} {fastest_time * 1e6:.2f} us)"
 
 
 def _keep_native_unless_clearly_beaten(results: list[tuple[float, Step]]) -> tuple[float, Step, str]:

@@ -665,6 +665,34 @@ def test_autotuner_keeps_sequential_cublas_unless_clearly_beaten(monkeypatch, ga
                          "M=96: seq:torch/torch 1.04 us (fastest seq:cute/torch 1.00 us, within 1.05x)")
 
 
+@pytest.mark.parametrize(
+    "native_us,fused_us,kept,line",
+    [
+        (2.0, 1.008, "fused", "M=16: fused:cute/cute 1.01 us (fused wins the tie with ovl:cute/cute 1.00 us) "
+                              "(sequential cuBLAS 2.00 us)"),
+        (2.0, 1.02, "overlap", "M=16: ovl:cute/cute 1.00 us (sequential cuBLAS 2.00 us)"),
+        (1.04, 1.008, "sequential", "M=16: seq:torch/torch 1.04 us (fastest fused:cute/cute 1.01 us, within 1.05x)"),
+    ],
+    ids=["tie", "no-tie", "tie-within-the-native-margin"],
+)
+def test_autotuner_keeps_a_fused_step_that_ties_with_the_fastest(monkeypatch, native_us, fused_us, kept, line):
+    """A fused step within FUSED_TIE of the fastest step is kept (one launch with or without a fork); a slower one
+    is not, and a tie never lifts a step past sequential cuBLAS's margin."""
+    from kda_backend import autotune
+    from kda_backend.plan import SEQUENTIAL_TORCH
+
+    overlap = Step(overlap=True, qkvg="cute", fab="cute", fb="cute")
+    fused = Step(overlap=True, fused=True, qkvg="cute", fab="cute", fb="cute")
+    times = {SEQUENTIAL_TORCH: native_us, overlap: 1.0, fused: fused_us}
+    monkeypatch.setattr(autotune, "step_candidates", lambda m, usable, fusing: list(times))
+    monkeypatch.setattr(autotune, "step_error", lambda weights, step, m, tactics: None)
+    monkeypatch.setattr(autotune, "time_step", lambda weights, step, m, tactics: times[step] * 1e-6)
+    lines = []
+    plan, _ = autotune.tune_plan([_weights(TINY)], [16], progress=lines.append)
+    assert plan.step(16).mode == kept
+    assert lines[-1] == line
+
+
 def test_autotuner_tunes_one_gemm_over_packed_weights_where_they_are_packed(monkeypatch):
     """Above 64 tokens the autotuner also times the wgmma tactics for one GEMM over the packed [QKVG; FAB] weight
     (131 swap-AB CTAs of 48 rows at TP 8) and keeps the fastest as QKVG's tactic at the packed rows; split weights
