@@ -20,13 +20,11 @@ from pathlib import Path
 import torch
 from stage_operands import require_cuda, token_counts
 
-from kda_backend.bench import decode_step_times
+from kda_backend.bench import SEQUENTIAL_CUBLAS, decode_step_times
 from kda_backend.geometry import preset
-from kda_backend.plan import SEQUENTIAL_TORCH, Plan
 from kda_backend.plan_store import read_file
 
 ROUNDS = 3
-SEQUENTIAL_CUBLAS = Plan(fallback=SEQUENTIAL_TORCH)
 
 
 def main(argv: list[str] | None = None) -> None:

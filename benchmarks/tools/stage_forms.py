@@ -23,11 +23,19 @@ import statistics
 from pathlib import Path
 
 import torch
-from stage_operands import LAYERS, StageOperands, kimi_k3, overlapped_time, parse_tactic, role_shape, token_counts
+from stage_operands import (
+    LAYERS,
+    StageOperands,
+    kimi_k3,
+    overlapped_time,
+    parse_tactic,
+    read_plan,
+    role_shape,
+    token_counts,
+)
 
 from kda_backend.kernels.tactics import tactic_bucket
-from kda_backend.plan import Plan, PlanError, Step, TacticTable
-from kda_backend.plan_store import read_file
+from kda_backend.plan import Plan, Step
 from kda_backend.projection import KDAProjection
 from kda_backend.stages import run_side_chain
 from kda_backend.timing import graph_time_per_layer
@@ -43,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(f"--{role}", help=f"{role}'s tactic key without the token tile (default: the plan's, else "
                         "the kernel's default tactic)")
     args = ap.parse_args(argv)
-    stored = stored_tactics(args.plan) if args.plan else {}
+    stored = read_plan(args.plan, "--plan").tactics if args.plan else {}
     g, weights, aux = kimi_k3()
     for m in args.ms:
         tactics = dict(stored)
@@ -105,14 +113,6 @@ def main(argv: list[str] | None = None) -> None:
         qkvg_key = stages[0].qkvg.provider.tactic(projs[0].gemm_call("qkvg", m)).key()
         row = "  ".join(f"{name} {statistics.median(t):6.2f} us" for name, t in times.items())
         print(f"M={m:3} qkvg {qkvg_key:18} {row}", flush=True)
-
-
-def stored_tactics(path: Path) -> TacticTable:
-    """The CuTe tactics of the plan file at ``path``; exits naming the file and the problem if it is unreadable."""
-    try:
-        return read_file(path)[1].tactics
-    except (OSError, PlanError) as exc:
-        raise SystemExit(f"--plan {path}: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -28,21 +28,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from stage_operands import TACTIC_HELP, parse_tactic, require_cuda, token_counts
+from stage_operands import TACTIC_HELP, parse_tactic, read_plan, require_cuda, token_counts
 
 from kda_backend import dispatch
 from kda_backend.autotune import COPIES, LAYERS, make_weight_copies
-from kda_backend.bench import PEERS, decode_step_times
+from kda_backend.bench import PEERS, SEQUENTIAL_CUBLAS, decode_step_times
 from kda_backend.geometry import preset
 from kda_backend.kernels.wgmma_stage import fused_stage_tactic
-from kda_backend.plan import SEQUENTIAL_TORCH, Plan, PlanError
-from kda_backend.plan_store import read_file
+from kda_backend.plan import Plan
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
 
 ROUNDS = 3
-SEQUENTIAL_CUBLAS = Plan(fallback=SEQUENTIAL_TORCH)
 CONTEXTS = ("alone", "copy", "o_proj")  # "alone" first: the others are reported against it
 VARIANTS = ("plan", "seq_cuBLAS", "peers", "context only", "QKVG cute", "QKVG cuBLAS")
 
@@ -134,10 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     require_cuda()
     device = torch.device("cuda", torch.cuda.current_device())
     geometry = preset("kimi-k3", args.tp)
-    try:
-        plan = read_file(args.plan)[1]
-    except (OSError, PlanError) as exc:
-        raise SystemExit(f"plan {args.plan}: {exc}") from None
+    plan = read_plan(args.plan, "plan")
     plans = {"plan": plan, "seq_cuBLAS": SEQUENTIAL_CUBLAS, "peers": Plan(fallback=PEERS)}
     weights = make_weight_copies(geometry, device, COPIES)
     print("us per layer; +ctx: what the context adds beyond its own kernel's time", flush=True)

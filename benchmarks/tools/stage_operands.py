@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,8 @@ from kda_backend.kernels.skinny_gemm import Tactic, block_t_for, default_tactic
 from kda_backend.kernels.tactics import AnyTactic
 from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.overlap import OverlapScheduler
+from kda_backend.plan import Plan, PlanError
+from kda_backend.plan_store import read_file
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
@@ -122,3 +125,11 @@ def overlapped_time(main: Callable[[int], None], side: Callable[[int], None], au
     """Seconds per layer of ``main(i)`` on the current stream with ``side(i)`` forked onto ``aux`` and joined."""
     schedulers = [OverlapScheduler() for _ in range(LAYERS)]
     return graph_time_per_layer(lambda i: schedulers[i].run(lambda: main(i), lambda: side(i), aux), layers=LAYERS)
+
+
+def read_plan(path: Path, name: str) -> Plan:
+    """The plan stored at ``path``; exits naming the argument ``name``, the file and the problem if it is unreadable."""
+    try:
+        return read_file(path)[1]
+    except (OSError, PlanError) as exc:
+        raise SystemExit(f"{name} {path}: {exc}") from None
