@@ -44,7 +44,6 @@ provider launch either; it takes no part in the single-stream side chain
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import ClassVar
 
 import cutlass
@@ -86,8 +85,6 @@ CLUSTER_SPLIT_K = 2
 # Swap-AB CTAs of neighbouring row blocks that may share their activation tiles by TMA multicast
 # (WgmmaTactic.multicast): clusters of these sizes are portable on SM 9.x.
 MULTICAST_SIZES = (1, 2, 4)
-PF = int(os.environ.get("KDA_DIAG_PF", "0"))  # diagnostic: prefetch the weight tile PF K-tiles ahead into L2
-DIAG = os.environ.get("KDA_DIAG_MC", "")  # boxes: 8-token boxes without a cluster; coupled: cluster, self-only; bigbox
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -454,12 +451,7 @@ class WgmmaGemm:
             s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             x_box, s_x_box_layout = (t.block_t, t.block_k), s_x_layout
-            if cutlass.const_expr(t.multicast > 1 and DIAG == "bigbox"):
-                x_box = (t.block_t // t.multicast, t.block_k)
-                s_x_box_layout = hopper_helpers.make_smem_layout_a(
-                    LayoutEnum.ROW_MAJOR, (t.block_t // t.multicast, t.mma_rows, t.block_k), dtype, t.stages * t.multicast,
-                )
-            elif cutlass.const_expr(t.multicast > 1 or DIAG == "boxes"):
+            if cutlass.const_expr(t.multicast > 1):
                 # Shared in a cluster: the same ring as boxes of 8 tokens, which the cluster's CTAs load in turn.
                 x_box = (BOX_ROWS, t.block_k)
                 s_x_box_layout = hopper_helpers.make_smem_layout_a(
@@ -658,9 +650,7 @@ class WgmmaGemm:
             g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
-        if cutlass.const_expr(t.multicast > 1 and DIAG == "bigbox"):
-            g_x = cute.local_tile(x_src, (t.block_t // t.multicast, t.block_k), (None, None))
-        elif cutlass.const_expr(t.tokens_on_m or t.multicast > 1 or DIAG == "boxes"):
+        if cutlass.const_expr(t.tokens_on_m or t.multicast > 1):
             g_x = cute.local_tile(x_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (token_tile, None))
@@ -688,8 +678,6 @@ class WgmmaGemm:
         for s in cutlass.range_constexpr(prologue):
             mainloop.producer_acquire(state)  # the ring starts empty: no wait
             self._load_w(w_tma, t_gw, t_sw, row_block, k_first + s, s, mainloop.producer_get_barrier(state), w_policy)
-            if cutlass.const_expr(PF > 0 and s + PF < k_tiles):
-                self._prefetch_w(w_tma, t_gw, row_block, k_first + s + PF)
             state.advance()
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
@@ -703,22 +691,10 @@ class WgmmaGemm:
             bar = mainloop.producer_get_barrier(state)
             self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
             self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
-            if cutlass.const_expr(PF > 0):
-                if k + PF < k_tiles:
-                    self._prefetch_w(w_tma, t_gw, row_block, k_first + k + PF)
             state.advance()
         if cutlass.const_expr(t.multicast > 1):
             # The CTA stays until the cluster's consumers freed its last slots: they arrive on its barriers remotely.
             mainloop.producer_tail(state)
-
-    def _prefetch_w(self, w_tma, t_gw, row_block, k) -> None:
-        t = self.tactic
-        if t.padded_rows:
-            per_tile = t.block_n // BOX_ROWS
-            for j in range(per_tile):
-                cute.prefetch(w_tma, t_gw[None, row_block * per_tile + j, k])
-        else:
-            cute.prefetch(w_tma, t_gw[None, k])
 
     def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
@@ -735,12 +711,6 @@ class WgmmaGemm:
         if t.multicast > 1:
             self._multicast_x(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy)
             return
-        if DIAG == "boxes" and not t.tokens_on_m:
-            nb = t.block_t // BOX_ROWS
-            for j in range(nb):
-                cute.copy(x_tma, t_gx[None, token_tile * nb + j, k], t_sx[None, slot * nb + j], tma_bar_ptr=bar,
-                          cache_policy=policy)
-            return
         boxes = (t.block_t // BOX_ROWS, t.mma_tokens // BOX_ROWS) if t.tokens_on_m else None
         _load_tile(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy, boxes)
 
@@ -752,15 +722,7 @@ class WgmmaGemm:
         boxes = t.block_t // BOX_ROWS
         everyone = cutlass.Int16((1 << t.multicast) - 1)
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        if cutlass.const_expr(DIAG == "bigbox"):
-            cute.copy(x_tma, t_gx[None, token_tile * t.multicast + rank, k], t_sx[None, slot * t.multicast + rank],
-                      tma_bar_ptr=bar, mcast_mask=everyone, cache_policy=policy)
-        elif cutlass.const_expr(DIAG == "coupled"):
-            own = cutlass.Int16(1) << rank
-            for j in cutlass.range_constexpr(boxes):
-                cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * boxes + j],
-                          tma_bar_ptr=bar, mcast_mask=own, cache_policy=policy)
-        for i in cutlass.range_constexpr(-(-boxes // t.multicast) if DIAG == "" else 0):
+        for i in cutlass.range_constexpr(-(-boxes // t.multicast)):
             j = rank + i * t.multicast
             if j < boxes:  # false only in the last round where the cluster does not divide the boxes
                 cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * boxes + j],
