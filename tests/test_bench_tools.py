@@ -109,7 +109,6 @@ def test_tactic_keys(tools_on_path):
     assert parse_tactic("w128k64s4x2", 40).key() == "w128k64t40s4x2"
     assert parse_tactic("w48k64s9p", 72).key() == "w48k64t72s9p" and parse_tactic("w48k64s9p", 72).padded_rows
     assert parse_tactic("w96k64t64s8mp", 128).key() == "w96k64t64s8mp"  # a fixed token tile stays below M
-    assert parse_tactic("w56k64s9c2p", 128).key() == "w56k64t128s9c2p" and parse_tactic("w56k64s9c2p", 1).multicast == 2
     assert token_counts("1,8,16") == [1, 8, 16]
     with pytest.raises(SystemExit):
         parse_tactic("n16k128", 1)

@@ -32,7 +32,6 @@ M_VALUES = [17, 24, 32, 40, 64, 100, 128, 200, 256]
 
 def test_key_names_every_field():
     assert WgmmaTactic(128, 64, 32, 6, split_k=2).key() == "w128k64t32s6x2p"
-    assert WgmmaTactic(48, 64, 128, 9, multicast=2).key() == "w48k64t128s9c2p"
     assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
     assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True).key() == "w48k64t128s8mp"
 
@@ -89,10 +88,6 @@ def test_threads_and_shared_memory():
         (WgmmaTactic(block_n=256, block_t=192, stages=2), QKVG_TP8, K, K, "192 accumulator registers"),
         (WgmmaTactic(stages=1), QKVG_TP8, K, K, "stages=1"),
         (WgmmaTactic(split_k=3), QKVG_TP8, K, K, "split_k=3 must divide the 112 K-tiles"),
-        (WgmmaTactic(48, multicast=3), QKVG_TP8, K, K, "multicast=3: unsplit swap-AB CTAs with 64-element K-tiles"),
-        (WgmmaTactic(48, multicast=2, split_k=2), QKVG_TP8, K, K, "multicast=2: unsplit swap-AB"),
-        (WgmmaTactic(48, multicast=2, tokens_on_m=True), QKVG_TP8, K, K, "multicast=2: unsplit swap-AB"),
-        (WgmmaTactic(56, multicast=4), QKVG_TP8, K, K, "multicast=4 must divide the 110 row blocks of block_n=56"),
 
         (WgmmaTactic(128, 64, 256, 6), QKVG_TP8, K, K, "shared memory"),
         (WgmmaTactic(), QKVG_TP8, K, 7172, "x row stride 7172"),
@@ -218,9 +213,6 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
     (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
     (WgmmaTactic(24, 64, 128, 9, split_k=2), FAB),
-    (WgmmaTactic(48, 64, 128, 9, multicast=2), QKVG_TP8),
-    (WgmmaTactic(48, 64, 72, 9, multicast=4, pdl=False), QKVG_TP8),
-    (WgmmaTactic(64, 64, 136, 6, multicast=2), QKVG_TP8),
 ]
 
 
@@ -357,18 +349,6 @@ def test_rows_below_one_atom_match_reference_with_partial_row_blocks(m):
     _check(WgmmaTactic(48, 64, 64, 4).for_tokens(m), m, QKVG_TP8, seed=m)
     _check(WgmmaTactic(48, 64, 64, 4).for_tokens(m), m, 136, seed=m)
     _check(WgmmaTactic(24, 64, 32, 6, pdl=False), m, 136, seed=m)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 17, 72, 100, 128, 200], ids=lambda m: f"M{m}")
-def test_activations_multicast_in_a_cluster_match_reference(m):
-    """Swap-AB CTAs sharing activation tiles in clusters of 2 and 4 (bit-identical relaunches): every CTA's 8-token
-    boxes land in each CTA of its cluster; a cluster that does not divide the boxes (72 tokens: 9 boxes), a token
-    tile smaller than M along grid y, padded rows and whole 64-row atoms."""
-    _check(WgmmaTactic(48, 64, 64, 6, multicast=2).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(56, 64, 64, 6, multicast=2, pdl=False).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(48, 64, 8 * (m // 16) or 8, 6, multicast=4), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(64, 64, 64, 6, multicast=2).for_tokens(m), m, QKVG_TP8, seed=m)
 
 
 @pytest.mark.gpu

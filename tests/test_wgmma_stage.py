@@ -2,8 +2,6 @@
 CPU; on a GPU, against fp32 with outputs poisoned, determinism, its counters left zero, and graph replay against
 eager."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -59,18 +57,6 @@ def _wide(m, stages=8):
     return WgmmaTactic(56, 64, 64, stages).for_tokens(m)
 
 
-def _wide_shared(m, stages=9):
-    """:func:`_wide` with the activation tiles shared by multicast in pairs of QKVG CTAs (the side chain's F_A/beta
-    pairs set the same clusters)."""
-    return dataclasses.replace(_wide(m, stages), multicast=2)
-
-
-def _swap_ab_shared(m, stages=5):
-    """:func:`_swap_ab` with the activation tiles shared by multicast in clusters of 4 QKVG CTAs (the 4 side-chain
-    CTAs form one cluster of their own)."""
-    return dataclasses.replace(_swap_ab(m, stages), multicast=4)
-
-
 def test_above_64_tokens_the_fused_stage_takes_swap_ab_qkvg():
     for m in (65, 80, FUSED_MAX_M):
         tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
@@ -124,19 +110,6 @@ def test_where_qkvg_leaves_enough_sms_f_a_beta_splits_k_over_pairs_of_side_chain
     assert stage.smem_bytes() == RING_OFFSET_BYTES + 9 * plan.fab.slot_bytes()
 
 
-def test_qkvg_clusters_align_with_the_side_chain_and_its_split():
-    stage = WgmmaStage(_wide_shared(128), *SHAPES)
-    assert stage.cluster_shape() == [2, 1, 1] and stage.plan.fab.in_cluster and stage.plan.fab.multicast == 1
-    assert stage.plan.fb.multicast == 1
-    assert WgmmaStage(_swap_ab_shared(128), *SHAPES).cluster_shape() == [4, 1, 1]  # 4 side-chain CTAs, unsplit
-    assert WgmmaStage(_swap_ab(128), *SHAPES).cluster_shape() is None
-    assert WgmmaStage(_wide(128), *SHAPES).cluster_shape() == [2, 1, 1]
-    assert "clusters of 4 must align with the 12 side-chain CTAs" in validate_stage(
-        dataclasses.replace(_wide(128), multicast=4), *SHAPES)
-    assert "must align with the 12 side-chain CTAs before them and match F_A/beta's of 2" in validate_stage(
-        dataclasses.replace(_wide(128), block_n=48, multicast=4), *SHAPES, sms=140)
-
-
 def test_the_side_chain_splits_only_under_swap_ab():
     assert not plan_stage(_swap_ab(128), *SHAPES).fab.in_cluster  # 4 SMs left: 40-row blocks over all of K
     assert not plan_stage(_tactic(48), *SHAPES).fab.in_cluster
@@ -145,11 +118,6 @@ def test_the_side_chain_splits_only_under_swap_ab():
 @pytest.mark.parametrize("m", [72, 256])
 def test_the_swap_ab_stage_compiles_for_sm90a(m):
     assert compile_stage(WgmmaStage(_swap_ab(m), *SHAPES), "sm_90a") is not None
-
-
-@pytest.mark.parametrize("tactic", [_wide_shared, _swap_ab_shared], ids=["pairs", "fours"])
-def test_the_stage_with_shared_activation_tiles_compiles_for_sm90a(tactic):
-    assert compile_stage(WgmmaStage(tactic(128), *SHAPES), "sm_90a") is not None
 
 
 def test_shapes_the_one_launch_stage_refuses():
@@ -303,7 +271,6 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
 @pytest.mark.parametrize(("m", "tactic"), [(m, _tactic) for m in (17, 24, 40, 64, 100, 128)]
                          + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)]
                          + [(m, _wide) for m in (65, 72, 100, 128)]
-                         + [(m, _wide_shared) for m in (65, 72, 128)] + [(m, _swap_ab_shared) for m in (72, 128)]
                          + [(m, _fused) for m in (136, 224)]
                          + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
@@ -328,8 +295,7 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab), (128, _wide),
-                                           (256, _swap_ab), (224, _fused), (40, _tp4), (120, _tp4),
-                                           (96, _wide_shared), (128, _swap_ab_shared)])
+                                           (256, _swap_ab), (224, _fused), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
     kernel, g = _stage(tactic, m)
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)

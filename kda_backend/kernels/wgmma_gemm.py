@@ -82,9 +82,6 @@ MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two 
 # Padded-rows CTAs split K in a cluster of this many (split_k), each loading half the activations and issuing half
 # the MMAs: the fused stage's F_A/beta above 64 tokens (see wgmma_stage.split_side_chain).
 CLUSTER_SPLIT_K = 2
-# Swap-AB CTAs of neighbouring row blocks that may share their activation tiles by TMA multicast
-# (WgmmaTactic.multicast): clusters of these sizes are portable on SM 9.x.
-MULTICAST_SIZES = (1, 2, 4)
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -131,10 +128,6 @@ class WgmmaTactic(SplitKSchedule):
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
-    :param multicast: under swap-AB, CTAs of this many neighbouring row blocks run as one thread-block cluster and
-        share every activation tile: each loads its share of the tile's 8-token boxes by TMA multicast into every
-        CTA of the cluster, so each SM issues and L2 serves a cluster's activation bytes once, not once per CTA. A
-        slot is refilled once the consumers of every CTA of the cluster freed it.
     """
 
     family: ClassVar[str] = "wgmma"
@@ -146,7 +139,6 @@ class WgmmaTactic(SplitKSchedule):
     split_k: int = 1
     tokens_on_m: bool = False
     pdl: bool = True
-    multicast: int = 1
 
     @property
     def padded_rows(self) -> bool:
@@ -214,7 +206,7 @@ class WgmmaTactic(SplitKSchedule):
 
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
-        order = ("m" if self.tokens_on_m else "") + (f"c{self.multicast}" if self.multicast > 1 else "")
+        order = "m" if self.tokens_on_m else ""
         return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
 
     def for_tokens(self, m: int) -> WgmmaTactic:
@@ -248,12 +240,6 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
                     f"{CLUSTER_SPLIT_K}")
     elif t.block_n not in BLOCK_ROWS:
         return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
-    if t.multicast != 1:
-        if t.multicast not in MULTICAST_SIZES or t.tokens_on_m or t.split_k != 1 or t.block_k != 64:
-            return (f"multicast={t.multicast}: unsplit swap-AB CTAs with 64-element K-tiles share activation tiles "
-                    f"in clusters of {MULTICAST_SIZES[1:]}")
-        if row_blocks(n, t.block_n) % t.multicast:
-            return f"multicast={t.multicast} must divide the {row_blocks(n, t.block_n)} row blocks of block_n={t.block_n}"
     if t.block_k not in (64, 128) or k % t.block_k:
         return f"block_k={t.block_k} must be 64 or 128 dividing K={k}"
     if t.block_t % 8 or not 8 <= t.block_t <= MAX_TOKEN_TILE:
@@ -451,12 +437,6 @@ class WgmmaGemm:
             s_w_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_x_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             x_box, s_x_box_layout = (t.block_t, t.block_k), s_x_layout
-            if cutlass.const_expr(t.multicast > 1):
-                # Shared in a cluster: the same ring as boxes of 8 tokens, which the cluster's CTAs load in turn.
-                x_box = (BOX_ROWS, t.block_k)
-                s_x_box_layout = hopper_helpers.make_smem_layout_a(
-                    LayoutEnum.ROW_MAJOR, (BOX_ROWS, t.mma_rows, t.block_k), dtype, t.stages * t.block_t // BOX_ROWS,
-                )
         return tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout
 
     def _w_boxes(self, dtype, s_w_layout):
@@ -478,10 +458,7 @@ class WgmmaGemm:
         tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w.element_type)
         w_box, s_w_box_layout = self._w_boxes(m_w.element_type, s_w_layout)
         w_tma, w_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_box_layout, w_box)
-        # In a cluster each activation box is one multicast into every CTA of it.
-        x_op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if self.tactic.multicast > 1
-                else cpasync.CopyBulkTensorTileG2SOp())
-        x_tma, x_src = cpasync.make_tiled_tma_atom(x_op, m_x, s_x_box_layout, x_box)
+        x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
         return w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma
 
     @cute.jit
@@ -512,16 +489,8 @@ class WgmmaGemm:
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=self.cluster_shape(), smem=t.smem_bytes(),
-                 stream=stream, use_pdl=t.pdl)
-
-    def cluster_shape(self) -> list[int] | None:
-        """The launch's thread-block cluster: split-K's CTAs of one tile along grid z, or :attr:`WgmmaTactic.multicast`
-        neighbouring row blocks along grid x; ``None`` without one."""
-        t = self.tactic
-        if t.in_cluster:
-            return [1, 1, t.split_k]
-        return [t.multicast, 1, 1] if t.multicast > 1 else None
+        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=[1, 1, t.split_k] if t.in_cluster else None,
+                 smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -581,19 +550,14 @@ class WgmmaGemm:
         s_x_box = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_box_layout.inner, dtype=dtype),
                                    s_x_box_layout.outer)
 
-        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane). With
-        # multicast, lane r of every consumer warp arrives on the barrier of the cluster's CTA r: a slot is free once
-        # the consumers of every CTA that multicasts into it have freed it. The cluster is one row of CTAs, all of
-        # which share the multicast operand (PipelineTmaAsync's multicast mode m along a (1, 1, c, 1) layout).
-        # create() syncs the cluster after initialising the barriers, before any multicast can land.
+        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane).
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.multicast * t.consumer_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
             tx_count=t.stage_bytes(),
-            cta_layout_vmnk=cute.make_layout((1, 1, t.multicast, 1)),
-            mcast_mode_mn=(1, 0),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         return mainloop, s_w, s_x, s_x_box
 
@@ -650,7 +614,7 @@ class WgmmaGemm:
             g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
-        if cutlass.const_expr(t.tokens_on_m or t.multicast > 1):
+        if cutlass.const_expr(t.tokens_on_m):
             g_x = cute.local_tile(x_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (token_tile, None))
@@ -692,9 +656,6 @@ class WgmmaGemm:
             self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
             self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
-        if cutlass.const_expr(t.multicast > 1):
-            # The CTA stays until the cluster's consumers freed its last slots: they arrive on its barriers remotely.
-            mainloop.producer_tail(state)
 
     def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
@@ -705,28 +666,10 @@ class WgmmaGemm:
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
-        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded), or with
-        :attr:`WgmmaTactic.multicast` this CTA's share of them (:meth:`_multicast_x`)."""
+        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
         t = self.tactic
-        if t.multicast > 1:
-            self._multicast_x(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy)
-            return
         boxes = (t.block_t // BOX_ROWS, t.mma_tokens // BOX_ROWS) if t.tokens_on_m else None
         _load_tile(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy, boxes)
-
-    @cute.jit
-    def _multicast_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy):
-        """The CTA of rank r in its cluster loads boxes r, r + multicast, ... of the activation tile's 8-token boxes,
-        each into every CTA of the cluster."""
-        t = self.tactic
-        boxes = t.block_t // BOX_ROWS
-        everyone = cutlass.Int16((1 << t.multicast) - 1)
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        for i in cutlass.range_constexpr(-(-boxes // t.multicast)):
-            j = rank + i * t.multicast
-            if j < boxes:  # false only in the last round where the cluster does not divide the boxes
-                cute.copy(x_tma, t_gx[None, token_tile * boxes + j, k], t_sx[None, slot * boxes + j],
-                          tma_bar_ptr=bar, mcast_mask=everyone, cache_policy=policy)
 
     @cute.jit
     def _consume(self, mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles: cutlass.Constexpr[int]) -> cute.Tensor:
@@ -752,8 +695,6 @@ class WgmmaGemm:
             mainloop.consumer_release(release)
             release.advance()
         warpgroup.wait_group(0)
-        if cutlass.const_expr(t.multicast > 1):
-            mainloop.consumer_release(release)  # the cluster's producers wait for every slot before they exit
         return acc
 
     @cute.jit

@@ -163,7 +163,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
-        fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False, multicast=1)
+        fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False)
         passes = 1
     elif tactic.tokens_on_m:
         # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
@@ -190,15 +190,11 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
     # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB its MMAs bound it, so there it
     # splits K where the free SMs hold the pairs (split_side_chain).
-    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1, split_k=CLUSTER_SPLIT_K if split else 1,
-                                    multicast=1)
+    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1, split_k=CLUSTER_SPLIT_K if split else 1)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
     found = StagePlan(tactic, fab, fb, side, passes, tail)
-    if tactic.multicast > 1 and (side % tactic.multicast or (fab.in_cluster and tactic.multicast != CLUSTER_SPLIT_K)):
-        return (f"QKVG's clusters of {tactic.multicast} must align with the {side} side-chain CTAs before them"
-                + (f" and match F_A/beta's of {CLUSTER_SPLIT_K}" if fab.in_cluster else ""))
     if found.fb_smem_bytes() > ring:
         return f"F_B's {passes} passes of {fb.stages} K-tiles need more than {ring} bytes of shared memory"
     if 2 * max(tactic.stages, fab.stages) + found.fb_barriers() > RING_OFFSET_BYTES // 8:
@@ -296,14 +292,6 @@ class WgmmaStage:
         rings = (p.qkvg.stages * p.qkvg.slot_bytes(), p.fab.smem_bytes() - RING_OFFSET_BYTES, p.fb_smem_bytes())
         return RING_OFFSET_BYTES + max(rings)
 
-    def cluster_shape(self) -> list[int] | None:
-        """The launch's thread-block cluster: every CTA of the grid is in one where F_A/beta splits in clusters or
-        QKVG's CTAs share activation tiles by multicast (:func:`plan_stage` aligns both with the grid), else none.
-        QKVG's CTAs without multicast never synchronize with their cluster."""
-        p = self.plan
-        size = max(CLUSTER_SPLIT_K if p.fab.in_cluster else 1, p.qkvg.multicast)
-        return [size, 1, 1] if size > 1 else None
-
     def barriers(self) -> int:
         """mbarriers: a full/empty pair per slot of the larger of QKVG's and F_A/beta's rings, then F_B's."""
         p = self.plan
@@ -332,7 +320,8 @@ class WgmmaStage:
         b_ops = self.fb._operands(m_w_fb, m_fa)
         outs = [cute.make_tensor(o.iterator, cute.select(o.layout, mode=[1, 0])) for o in (m_qkvg, m_fab, m_g1)]
         grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n), 1, 1)
-        cluster = self.cluster_shape()
+        # With F_A/beta split in clusters every CTA of the grid is in one (QKVG's pairs never synchronize).
+        cluster = [CLUSTER_SPLIT_K, 1, 1] if p.fab.in_cluster else None
         self.stage_kernel(*q_ops, *f_ops, *b_ops, *outs, m_chain).launch(
             grid=grid, block=[p.qkvg.threads, 1, 1], cluster=cluster, smem=self.smem_bytes(), stream=stream,
             use_pdl=p.qkvg.pdl,
