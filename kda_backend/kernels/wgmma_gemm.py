@@ -44,7 +44,6 @@ provider launch either; it takes no part in the single-stream side chain
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import ClassVar
 
 import cutlass
@@ -595,11 +594,7 @@ class WgmmaGemm:
             s_o = cute.make_tensor(ring, cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
-            if cutlass.const_expr(t.in_cluster and os.environ.get("KDA_DIAG_NOSUM") == "1"):
-                self._store_tile(acc, thr_mma, s_o, g_o, c_o, m_tokens, tidx)
-                self._cluster_sync()
-                self._cluster_sync()
-            elif cutlass.const_expr(t.in_cluster):
+            if cutlass.const_expr(t.in_cluster):
                 self._reduce_in_cluster(acc, thr_mma, ring, g_o, c_o, m_tokens, tidx, bidz)
             elif cutlass.const_expr(t.split_k > 1):
                 self._reduce_split_k(acc, thr_mma, thr_mma.partition_C(c_o), m_tokens, m_work, m_arrivals, s_last,
