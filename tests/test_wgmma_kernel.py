@@ -39,7 +39,7 @@ def test_key_names_every_field():
 def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
     """Tokens on the MMA's M side: one consumer warpgroup per 64 tokens (the MMA pads the tile to them, in shared
     memory only), any multiple of 8 weight rows per CTA (48 rows: 128 CTAs for TP 8 QKVG), token tiles of M rounded
-    up to 8, at most 128; 64-element K-tiles, unsplit or split in a cluster."""
+    up to 8, at most 128; 64-element K-tiles and no split-K."""
     tactic = WgmmaTactic(48, 64, 64, 8, tokens_on_m=True)
     assert tactic.consumer_warpgroups == 1 and tactic.acc_registers() == 24 and tactic.ctas(QKVG_TP8, 64) == 128
     assert [tactic.for_tokens(m).block_t for m in (17, 64, 65, 128, 256)] == [24, 64, 72, 128, 128]
@@ -51,7 +51,7 @@ def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
     for change, reason in [({"block_t": 136}, "block_t=136 must be a multiple of 8 from 8 to 128"),
                            ({"block_n": 44}, "block_n=44 must be a multiple of 8"),
                            ({"block_k": 128}, "block_k=128: tokens_on_m loads 8-token boxes"),
-                           ({"split_k": 4}, "split_k=4: tokens_on_m runs unsplit or split in a cluster of 2")]:
+                           ({"split_k": 2}, "split_k=2: tokens_on_m runs unsplit")]:
         assert reason in validate_wgmma_tactic(dataclasses.replace(tactic, **change), QKVG_TP8, K, K)
     tactic = WgmmaTactic()
     assert tactic.with_activations_from_l2() is tactic and tactic.family == "wgmma"
@@ -213,7 +213,6 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
     (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
     (WgmmaTactic(24, 64, 128, 9, split_k=2), FAB),
-    (WgmmaTactic(96, 64, 128, 7, split_k=2, tokens_on_m=True), QKVG_TP8),
 ]
 
 
@@ -350,16 +349,6 @@ def test_rows_below_one_atom_match_reference_with_partial_row_blocks(m):
     _check(WgmmaTactic(48, 64, 64, 4).for_tokens(m), m, QKVG_TP8, seed=m)
     _check(WgmmaTactic(48, 64, 64, 4).for_tokens(m), m, 136, seed=m)
     _check(WgmmaTactic(24, 64, 32, 6, pdl=False), m, 136, seed=m)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 17, 72, 100, 128, 200], ids=lambda m: f"M{m}")
-def test_tokens_on_m_split_in_a_cluster_match_reference(m):
-    """Tokens on M over half of K each, summed in the cluster in split order (bit-identical relaunches): one and two
-    consumer warpgroups, rows past N (152 rows in 96-row blocks), a token tile smaller than M along grid y."""
-    _check(WgmmaTactic(96, 64, 64, 7, split_k=2, tokens_on_m=True).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(96, 64, 64, 7, split_k=2, tokens_on_m=True, pdl=False).for_tokens(m), m, 152, seed=m)
-    _check(WgmmaTactic(48, 64, 64, 8, split_k=2, tokens_on_m=True), m, QKVG_TP8, seed=m)
 
 
 @pytest.mark.gpu

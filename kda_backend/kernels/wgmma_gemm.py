@@ -153,9 +153,8 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def in_cluster(self) -> bool:
-        """Whether the split-K partials are summed in a thread-block cluster (padded rows or tokens on M), not a
-        workspace."""
-        return self.split_k > 1 and (self.padded_rows or self.tokens_on_m)
+        """Whether the split-K partials are summed in a thread-block cluster (padded rows), not a workspace."""
+        return self.split_k > 1 and self.padded_rows
 
     @property
     def uses_workspace(self) -> bool:
@@ -229,8 +228,8 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKENS_ON_M} with tokens_on_m"
         if t.block_k != 64:
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
-        if t.split_k not in (1, CLUSTER_SPLIT_K):
-            return f"split_k={t.split_k}: tokens_on_m runs unsplit or split in a cluster of {CLUSTER_SPLIT_K}"
+        if t.split_k != 1:
+            return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
     elif t.padded_rows:
         if t.block_n % 8 or t.block_n < 8:
             return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
@@ -730,7 +729,7 @@ class WgmmaGemm:
         self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
         s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
                                cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
-        thr_mma.partition_C(self._mma_view(s_p)).store(acc.load())
+        thr_mma.partition_C(s_p).store(acc.load())
         self._cluster_sync()
         vec = (ELEMS_PER_COPY, 1)
         v_g, v_c = cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
