@@ -11,8 +11,8 @@ import torch
 
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
 TOOLS = [
-    "decode_step_plans", "eager_host_profile", "kernel_sweep", "qkvg_tactics", "side_chain", "stage_forms",
-    "stage_in_context", "stage_timeline",
+    "decode_step_plans", "eager_host_profile", "kernel_sweep", "l2_ingress", "qkvg_tactics", "side_chain",
+    "stage_forms", "stage_in_context", "stage_timeline",
 ]
 
 
@@ -49,6 +49,7 @@ def test_help_as_a_script(name):
         ("decode_step_plans", ["1,16", "plan.json"]),
         ("eager_host_profile", ["1,16"]),
         ("kernel_sweep", ["--skip-check"]),
+        ("l2_ingress", ["--grids", "16,132"]),
         ("qkvg_tactics", ["1,16", "n48k256s4p"]),
         ("side_chain", ["1,16", "split"]),
         ("stage_forms", ["1,16"]),
@@ -63,6 +64,15 @@ def test_exit_2_without_cuda(name, argv, tools_on_path, monkeypatch, capsys):
         module.main(argv)
     assert exit_info.value.code == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grids", ["16,x", "0,132"])
+def test_l2_ingress_refuses_grids_it_cannot_launch(grids, tools_on_path, capsys):
+    import l2_ingress
+
+    with pytest.raises(SystemExit) as exit_info:
+        l2_ingress.main(["--grids", grids])
+    assert exit_info.value.code == 2 and "--grids must be" in capsys.readouterr().err
 
 
 def test_stage_forms_names_an_unreadable_plan_file(tools_on_path, tmp_path):
