@@ -1,19 +1,20 @@
-"""How fast the SMs can pull data out of L2 and HBM: the bound on a skinny GEMM whose every CTA reads all activations.
+"""How fast the SMs pull data out of L2 and HBM, which a skinny GEMM whose every CTA reads all activations depends on.
 
 At M tokens each QKVG CTA of the swap-AB wgmma kernel reads its weight rows once from HBM and all M x K activations
 from L2 (Kimi-K3 TP 8, M = 128: 688 KB of weights and 1.84 MB of activations per SM). This tool times a read-only
 kernel (Triton, so it is independent of the project's kernels) that sums tiles of a buffer, one program per CTA:
 
 - ``l2-shared``: every program reads the same buffer of ``--shared-mb`` MB (the activations' case; L2-resident);
-- ``l2-own``: each program reads its own slice of ``--own-mb`` MB in all (L2-resident, no line read twice at once);
+- ``l2-own``: each program reads its own slice of a buffer of ``--own-mb`` MB (L2-resident; large grids wrap it);
 - ``hbm``: each program streams its own slice of a 2 GiB buffer (the weights' case).
 
 For each source and grid size it prints the time of a launch that reads 2 MB per program and the bytes read per us
 in all and per program, from the difference between launches reading 2 MB and 4 MB per program (so the launch's
-fixed cost drops out). A grid below the SM count shows what one SM pulls without contention; a full grid what all of
-them pull together. Reads are 16-byte vector loads (``--tma``: Triton tensor descriptors, the TMA unit on Hopper).
+fixed cost drops out). One program per SM keeps too few reads in flight to find the limit (35-40 GB/s each on H200),
+so the default grids run 1 to 16 programs per SM; where the total stops growing is what the SMs can pull together.
+Reads are 16-byte vector loads (``--tma``: Triton tensor descriptors, the TMA unit on Hopper).
 
-Example (GPU): python benchmarks/tools/l2_ingress.py --grids 16,33,66,132,264
+Example (GPU): python benchmarks/tools/l2_ingress.py --grids 132,528,2112
 """
 
 from __future__ import annotations
