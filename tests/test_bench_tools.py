@@ -11,8 +11,8 @@ import torch
 
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
 TOOLS = [
-    "decode_step_plans", "eager_host_profile", "kernel_sweep", "l2_ingress", "qkvg_tactics", "side_chain",
-    "stage_forms", "stage_in_context", "stage_timeline",
+    "decode_step_plans", "eager_host_profile", "kernel_sweep", "l2_ingress", "qkvg_profile", "qkvg_tactics",
+    "side_chain", "stage_forms", "stage_in_context", "stage_timeline",
 ]
 
 
@@ -50,6 +50,7 @@ def test_help_as_a_script(name):
         ("eager_host_profile", ["1,16"]),
         ("kernel_sweep", ["--skip-check"]),
         ("l2_ingress", ["--grids", "16,132"]),
+        ("qkvg_profile", ["64,128", "w48k64s9p"]),
         ("qkvg_tactics", ["1,16", "n48k256s4p"]),
         ("side_chain", ["1,16", "split"]),
         ("stage_forms", ["1,16"]),
@@ -73,6 +74,14 @@ def test_l2_ingress_refuses_grids_it_cannot_launch(grids, tools_on_path, capsys)
     with pytest.raises(SystemExit) as exit_info:
         l2_ingress.main(["--grids", grids])
     assert exit_info.value.code == 2 and "--grids must be" in capsys.readouterr().err
+
+
+def test_qkvg_profile_names_a_key_that_does_not_parse_before_the_gpu(tools_on_path, monkeypatch):
+    import qkvg_profile
+
+    monkeypatch.setattr(qkvg_profile, "kimi_k3", lambda tp: pytest.fail("reached the GPU"))
+    with pytest.raises(SystemExit, match="'bogus' does not read as"):
+        qkvg_profile.main(["128", "w48k64s9p,bogus"])
 
 
 def test_stage_forms_names_an_unreadable_plan_file(tools_on_path, tmp_path):

@@ -57,6 +57,17 @@ def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
     assert tactic.with_activations_from_l2() is tactic and tactic.family == "wgmma"
 
 
+def test_the_staged_output_tile_puts_consecutive_tokens_in_other_bank_groups():
+    """The token stride of the staged bf16 tile is an odd number of 16-byte runs: the MMA's rows, or 8 more."""
+    cases = [(WgmmaTactic(64, 64, 128, 9), 72), (WgmmaTactic(48, 64, 128, 9), 72), (WgmmaTactic(128, 64, 64, 6), 136),
+             (WgmmaTactic(48, 64, 64, 8, tokens_on_m=True), 56), (WgmmaTactic(96, 64, 128, 7, tokens_on_m=True), 104),
+             (WgmmaTactic(24, 64, 64, 12, tokens_on_m=True), 24), (WgmmaTactic(40, 64, 64, 12, tokens_on_m=True), 40)]
+    for tactic, stride in cases:
+        assert tactic.staging_stride() == stride, tactic.key()
+        assert (stride // 8) % 2 == 1 and tactic.staged_tile_bytes() == stride * tactic.mma_tokens * 2
+        assert tactic.staged_tile_bytes() <= tactic.stages * tactic.slot_bytes()  # it fits in the drained ring
+
+
 def test_workspace_and_ctas_by_schedule():
     """Split-K: a workspace [split_k, M, N], one CTA per tile and split, one arrival counter per tile; unsplit: no
     workspace."""

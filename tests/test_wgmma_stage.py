@@ -88,7 +88,7 @@ def test_above_64_tokens_the_side_chain_is_swap_ab_with_f_a_resident():
     assert plan.fab.stages == 9  # the deepest ring of 40 rows and 128 tokens in an SM's shared memory
     # F_B's 1536 rows: 6 passes of 64 per side-chain CTA, f_a's [128, 128] tile loaded once beside their W_fb tiles.
     assert (plan.fb.block_n, plan.fb.block_t, plan.fb.stages, plan.fb_passes) == (64, 128, 2, 6)
-    assert plan.fb_smem_bytes() == (6 * 128 * 64 + 128 * 128 + 64 * 128) * 2
+    assert plan.fb_smem_bytes() == (6 * 128 * 64 + 128 * 128 + 72 * 128) * 2  # the output tile staged 72 rows apart
     assert plan.fb_barriers() == 6
     stage = WgmmaStage(_swap_ab(128, stages=8), *SHAPES)
     assert stage.barriers() == 2 * 9 + 6

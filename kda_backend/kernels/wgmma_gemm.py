@@ -161,6 +161,19 @@ class WgmmaTactic(SplitKSchedule):
         """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
         return self.split_k > 1 and not self.in_cluster
 
+    def staging_stride(self) -> int:
+        """Elements from one token to the next in the bf16 output tile staged in shared memory: the MMA's rows, 8 more
+        where those are an even number of 16-byte runs. An odd number of runs puts consecutive tokens in different
+        16-byte bank groups, so the fragment's 2-byte stores (a warp writes 8 rows of 4 or 8 tokens at once) and the
+        16-byte loads of the runs meet no bank conflicts; at 64 rows a token stride of 128 bytes set 4-way conflicts
+        on every store (Nsight Compute, H200, `benchmarks/results/qkvg-profile/`)."""
+        runs = self.mma_rows // ELEMS_PER_COPY
+        return self.mma_rows if runs % 2 else self.mma_rows + ELEMS_PER_COPY
+
+    def staged_tile_bytes(self) -> int:
+        """Shared memory of the staged bf16 output tile (:meth:`staging_stride` per token)."""
+        return self.staging_stride() * self.mma_tokens * 2
+
     def partial_bytes(self) -> int:
         """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile (0 otherwise)."""
         return self.mma_rows * self.mma_tokens * 4 if self.in_cluster else 0
@@ -590,7 +603,7 @@ class WgmmaGemm:
             g_o = cute.local_tile(m_out_t, (t.block_n, t.block_t), (bidx, bidy))
             c_o = cute.local_tile(cute.make_identity_tensor(m_out_t.shape), (t.block_n, t.block_t), (bidx, bidy))
             # The MMAs' (rows, tokens) tile, staged in the drained ring on its way out.
-            s_o = cute.make_tensor(ring, cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
+            s_o = cute.make_tensor(ring, cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.staging_stride())))
             thr_mma = tiled_mma.get_slice(tidx)
             acc = self._consume(mainloop, tiled_mma, thr_mma, s_w, s_x, s_o, k_tiles)
             if cutlass.const_expr(t.in_cluster):

@@ -132,7 +132,7 @@ class StagePlan:
         if not self.fb_resident:
             return fb.stages * fb.slot_bytes()
         return (self.fb_passes * fb.stages * fb.block_n + fb.stages * fb.block_t) * fb.block_k * 2 + \
-            fb.block_n * fb.block_t * 2
+            fb.staged_tile_bytes()
 
     def fb_barriers(self) -> int:
         """F_B's mbarriers: a full/empty pair per slot of every pass (tokens on M), or one per pass (swap-AB)."""
@@ -424,7 +424,7 @@ class WgmmaStage:
         s_w = cute.make_tensor(cute.recast_ptr(ring, s_w_layout.inner, dtype=dtype), s_w_layout.outer)
         s_x = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_layout.inner, dtype=dtype), s_x_layout.outer)
         s_o = cute.make_tensor(ring + w_elems + x_elems,
-                               cute.make_layout((ATOM_ROWS, t.block_t), stride=(1, ATOM_ROWS)))
+                               cute.make_layout((ATOM_ROWS, t.block_t), stride=(1, t.staging_stride())))
         if warp == t.consumer_threads // 32:
             g_x = cute.local_tile(b_x_src, (t.block_t, t.block_k), (0, None))
             t_sx, t_gx = cpasync.tma_partition(
