@@ -58,9 +58,9 @@ def _wide(m, stages=8):
 
 
 def test_above_64_tokens_the_fused_stage_takes_swap_ab_qkvg():
-    for m in (65, 80, FUSED_MAX_M):
+    for m, rows in ((65, 48), (72, 48), (80, 56), (FUSED_MAX_M, 56)):
         tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
-        assert tactic.padded_rows and tactic.block_n == 56 and tactic.block_t >= m
+        assert tactic.padded_rows and tactic.block_n == rows and tactic.block_t >= m
         assert validate_stage(tactic, *SHAPES) is None
 
 
@@ -151,7 +151,12 @@ def test_compiles_through_the_kernel_cache_for_sm90a():
     assert key.qkvg == WgmmaTactic(48, 64, 40, 10, tokens_on_m=True)
     assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 49) == WgmmaTactic(48, 64, 56, 8, tokens_on_m=True)
     assert FUSED_STAGES[-1][0] == TOKENS_ON_M_MAX_M and PADDED_ROWS_STAGES[-1][0] == FUSED_MAX_M
-    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 65) == WgmmaTactic(56, 64, 72, PADDED_ROWS_STAGES[0][1])
+    # Swap-AB from 65 tokens: 48-row CTAs up to 72 tokens, 56-row ones above; TP 16's 24-row CTAs take 32 rows at once.
+    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 65) == WgmmaTactic(48, 64, 72, PADDED_ROWS_STAGES[0][1])
+    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 72) == WgmmaTactic(48, 64, 72, PADDED_ROWS_STAGES[0][1])
+    assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, 73) == WgmmaTactic(56, 64, 80, PADDED_ROWS_STAGES[0][1])
+    g16 = preset("kimi-k3", 16)
+    assert fused_stage_tactic(g16.qkvg_rows, g16.hidden_size, 65).block_n == 32
     assert plan_stage(fused_stage_tactic(G.qkvg_rows, G.hidden_size, 128), *SHAPES).fab.in_cluster
     assert fused_stage_tactic(G.qkvg_rows, G.hidden_size, FUSED_MAX_M + 1) is None
     assert compile_gemm(key) is not None

@@ -12,8 +12,8 @@ warpgroups as QKVG's:
   waits for F_A/beta like a side-chain CTA and computes one row block of F_B (Kimi-K3 TP 4: 24 rows on each of
   128 CTAs);
 - swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), any token tile up to 256 (the MMA's
-  N), served from 65 to :data:`FUSED_MAX_M` tokens with QKVG's CTAs 8 rows wider than tokens on M would take
-  (:data:`PADDED_ROWS_WIDER`): where the SMs they leave hold them, F_A/beta's row blocks split along K over pairs of
+  N), served from 65 to :data:`FUSED_MAX_M` tokens, above :data:`PADDED_ROWS_NARROW_MAX_M` tokens with QKVG's CTAs 8
+  rows wider than tokens on M would take (:data:`PADDED_ROWS_WIDER`): where the SMs they leave hold them, F_A/beta's row blocks split along K over pairs of
   side-chain CTAs in thread-block clusters (:func:`split_side_chain`), then F_B in 64-row passes over a resident
   f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass, and the passes' MMAs run as their
   tiles land.
@@ -101,6 +101,15 @@ WIDE_TOKENS_ON_M_STAGES = ((128, 7),)  # (largest token tile, slots)
 WIDE_TOKENS_ON_M_MAX_M = WIDE_TOKENS_ON_M_STAGES[-1][0]
 PADDED_ROWS_STAGES = ((128, 9), (152, 8), (192, 7), (224, 6))  # (largest token tile, slots)
 PADDED_ROWS_WIDER = 8  # rows QKVG's swap-AB CTAs take beyond tokens_on_m_rows (see above TOKENS_ON_M_MAX_M)
+# Up to PADDED_ROWS_NARROW_MAX_M tokens the swap-AB form keeps tokens_on_m_rows where those are at least
+# PADDED_ROWS_NARROW_MIN_ROWS (TP 8: 128 CTAs of 48 rows): F_A/beta over all of K on the 4 SMs they leave, then F_B,
+# still end within QKVG's time there. Measured on H200 for Kimi-K3 TP 8, 9 slots, the staged output tiles free of bank
+# conflicts (qkvg_tactics.py, benchmarks/results/levers/fused-stage-swap-ab-48-rows/ and staged-output-bank-conflicts/):
+# the stage took 22.82-22.83 us at M = 72 with 48-row CTAs against 23.08-23.32 with 56-row ones, 23.90-24.08 against
+# 23.98 at 80, and 24.89-24.94 / 25.28-25.33 / 26.96-26.99 against 24.38 / 24.38 / 24.78 at 88 / 96 / 104. Narrower CTAs
+# (TP 16: 24 rows, whose side chain's MMAs take as long as TP 8's beside half the QKVG) keep the wider form.
+PADDED_ROWS_NARROW_MAX_M = 72
+PADDED_ROWS_NARROW_MIN_ROWS = 48
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
 STAGE_COUNTERS = 2  # chain[0]: side-chain CTAs whose F_A/beta tile is stored; chain[1]: side-chain CTAs past the wait
 FB_PASSES = 2  # tokens_on_m: the fewest F_B row blocks per side-chain CTA (a wgmma tile holds at most 256 rows)
@@ -249,14 +258,16 @@ def fused_stage_tactic(qkvg_rows: int, k: int, m: int) -> WgmmaTactic | None:
     """QKVG's tactic in the fused stage at ``m`` tokens, one token tile covering ``m``:
     :func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_rows` rows per CTA, tokens on M in the ring
     :data:`FUSED_STAGES` gives the token tile up to :data:`TOKENS_ON_M_MAX_M` tokens; above, tokens on M in the ring
-    :data:`WIDE_TOKENS_ON_M_STAGES` gives it where a CTA owns 64 rows or more, else swap-AB with
-    :data:`PADDED_ROWS_WIDER` rows more (still below one atom) in the ring :data:`PADDED_ROWS_STAGES` gives it;
+    :data:`WIDE_TOKENS_ON_M_STAGES` gives it where a CTA owns 64 rows or more, else swap-AB in the ring
+    :data:`PADDED_ROWS_STAGES` gives it, with :data:`PADDED_ROWS_WIDER` rows more (still below one atom) unless ``m``
+    is at most :data:`PADDED_ROWS_NARROW_MAX_M` and a CTA owns :data:`PADDED_ROWS_NARROW_MIN_ROWS` rows or more;
     ``None`` where :func:`why_no_fused_tactic` says why not."""
     if why_no_fused_tactic(qkvg_rows, k, m) is not None:
         return None
     rows = tokens_on_m_rows(qkvg_rows)
     tokens_on_m, rings = _fused_form(rows, m)
-    if not tokens_on_m:
+    narrow = m <= PADDED_ROWS_NARROW_MAX_M and rows >= PADDED_ROWS_NARROW_MIN_ROWS
+    if not tokens_on_m and not narrow:
         rows = min(rows + PADDED_ROWS_WIDER, ATOM_ROWS - 8)
     tactic = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=tokens_on_m).for_tokens(m)
     stages = next(slots for tile, slots in rings if tactic.block_t <= tile)
