@@ -33,7 +33,8 @@ SOURCES = ("l2-shared", "l2-own", "hbm")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--grids", default="132,264,528,1056,2112", help="comma-separated program counts (default: %(default)s)")
+    ap.add_argument("--grids", default="132,264,528,1056,2112",
+                    help="comma-separated program counts (default: %(default)s)")
     ap.add_argument("--shared-mb", type=float, default=1.84, help="l2-shared buffer in MB (default: %(default)s)")
     ap.add_argument("--own-mb", type=float, default=24.0, help="l2-own buffer in MB, all slices (default: %(default)s)")
     ap.add_argument("--warps", type=int, default=8, help="warps per program (default: %(default)s)")
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                                       num_warps=args.warps, num_stages=args.stages)
             else:
 
-                def launch(n, out=out, grid=grid, own=own, stride=stride, tiles=tiles):
+                def launch(n, src=src, out=out, grid=grid, own=own, stride=stride, tiles=tiles):
                     read_loads[(grid,)](src, out, tiles, n, stride, TILE=TILE_ELEMS, OWN=own,
                                         num_warps=args.warps, num_stages=args.stages)
 

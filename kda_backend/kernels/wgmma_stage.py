@@ -13,10 +13,10 @@ warpgroups as QKVG's:
   128 CTAs);
 - swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), any token tile up to 256 (the MMA's
   N), served from 65 to :data:`FUSED_MAX_M` tokens, above :data:`PADDED_ROWS_NARROW_MAX_M` tokens with QKVG's CTAs 8
-  rows wider than tokens on M would take (:data:`PADDED_ROWS_WIDER`): where the SMs they leave hold them, F_A/beta's row blocks split along K over pairs of
-  side-chain CTAs in thread-block clusters (:func:`split_side_chain`), then F_B in 64-row passes over a resident
-  f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass, and the passes' MMAs run as their
-  tiles land.
+  rows wider than tokens on M would take (:data:`PADDED_ROWS_WIDER`): where the SMs they leave hold them, F_A/beta's
+  row blocks split along K over pairs of side-chain CTAs in thread-block clusters (:func:`split_side_chain`), then F_B
+  in 64-row passes over a resident f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass,
+  and the passes' MMAs run as their tiles land.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
@@ -107,7 +107,8 @@ PADDED_ROWS_WIDER = 8  # rows QKVG's swap-AB CTAs take beyond tokens_on_m_rows (
 # conflicts (qkvg_tactics.py, benchmarks/results/levers/fused-stage-swap-ab-48-rows/ and staged-output-bank-conflicts/):
 # the stage took 22.82-22.83 us at M = 72 with 48-row CTAs against 23.08-23.32 with 56-row ones, 23.90-24.08 against
 # 23.98 at 80, and 24.89-24.94 / 25.28-25.33 / 26.96-26.99 against 24.38 / 24.38 / 24.78 at 88 / 96 / 104. Narrower CTAs
-# (TP 16: 24 rows, whose side chain's MMAs take as long as TP 8's beside half the QKVG) keep the wider form.
+# (TP 16: 24 rows) were not measured in this form and keep the wider one: their side chain's padded F_A/beta atoms are
+# as many MMAs as TP 8's, beside half the QKVG per CTA.
 PADDED_ROWS_NARROW_MAX_M = 72
 PADDED_ROWS_NARROW_MIN_ROWS = 48
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
