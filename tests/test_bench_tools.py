@@ -67,13 +67,16 @@ def test_exit_2_without_cuda(name, argv, tools_on_path, monkeypatch, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("grids", ["16,x", "0,132"])
-def test_l2_ingress_refuses_grids_it_cannot_launch(grids, tools_on_path, capsys):
+@pytest.mark.parametrize(("argv", "reason"), [(["--grids", "16,x"], "--grids must be"),
+                                             (["--grids", "0,132"], "--grids must be"),
+                                             (["--warps", "3"], "--warps must be a power of 2"),
+                                             (["--own-mb", "0"], "--own-mb must be positive")])
+def test_l2_ingress_refuses_what_it_cannot_launch(argv, reason, tools_on_path, capsys):
     import l2_ingress
 
     with pytest.raises(SystemExit) as exit_info:
-        l2_ingress.main(["--grids", grids])
-    assert exit_info.value.code == 2 and "--grids must be" in capsys.readouterr().err
+        l2_ingress.main(argv)
+    assert exit_info.value.code == 2 and reason in capsys.readouterr().err
 
 
 def test_qkvg_profile_names_a_key_that_does_not_parse_before_the_gpu(tools_on_path, monkeypatch):

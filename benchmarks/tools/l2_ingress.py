@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--grids must be comma-separated integers, got {args.grids!r}")
     if any(g < 1 for g in args.grids):
         ap.error(f"--grids must be positive, got {args.grids}")
+    if args.warps not in (1, 2, 4, 8, 16, 32):
+        ap.error(f"--warps must be a power of 2 from 1 to 32, got {args.warps}")
+    if args.stages < 1 or args.shared_mb <= 0 or args.own_mb <= 0:
+        ap.error(f"--stages, --shared-mb and --own-mb must be positive, got {args.stages}, {args.shared_mb}, "
+                 f"{args.own_mb}")
     return args
 
 
