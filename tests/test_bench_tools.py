@@ -111,6 +111,18 @@ def test_stage_in_context_names_an_unreadable_plan_file(tools_on_path, tmp_path,
         assert str(exit_info.value.code).startswith(f"plan {path}: ")
 
 
+def test_decode_step_plans_names_an_unreadable_plan_file(tools_on_path, tmp_path, monkeypatch):
+    import decode_step_plans
+
+    monkeypatch.setattr(decode_step_plans, "require_cuda", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    path = tmp_path / "plan.json"
+    path.write_text("{not json")
+    with pytest.raises(SystemExit) as exit_info:
+        decode_step_plans.main(["16", "cublas", str(path)])
+    assert str(exit_info.value.code).startswith(f"plan {path}: ")
+
+
 def test_stage_in_context_names_a_qkvg_key_that_does_not_parse(tools_on_path):
     import stage_in_context
 

@@ -18,11 +18,10 @@ import statistics
 from pathlib import Path
 
 import torch
-from stage_operands import require_cuda, token_counts
+from stage_operands import read_plan, require_cuda, token_counts
 
 from kda_backend.bench import SEQUENTIAL_CUBLAS, decode_step_times
 from kda_backend.geometry import preset
-from kda_backend.plan_store import read_file
 
 ROUNDS = 3
 
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     require_cuda()
     device = torch.device("cuda", torch.cuda.current_device())
     geometry = preset("kimi-k3", args.tp)
-    plans = {name: SEQUENTIAL_CUBLAS if name == "cublas" else read_file(Path(name))[1] for name in args.plans}
+    plans = {name: SEQUENTIAL_CUBLAS if name == "cublas" else read_plan(Path(name), "plan") for name in args.plans}
     for m in args.ms:
         times = decode_step_times(geometry, plans, m, device, ROUNDS)
         first = statistics.median(times[args.plans[0]])

@@ -36,11 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in args.ms:
         ops = StageOperands(weights, m)
 
-        def cublas(i: int, ops: StageOperands = ops) -> None:
-            j = i % ops.copies
-            torch.mm(ops.xs[j], weights[j].w_qkvg.t(), out=ops.qkvg[j])
-
-        runs = [("cuBLAS (torch.mm)", cublas)]
+        runs = [("cuBLAS (torch.mm)", ops.qkvg_cublas)]
         for spec in specs:
             tactic = parse_tactic(spec, m)
             runs.append((tactic.key(), lambda i, tactic=tactic, ops=ops: ops.qkvg_gemm(tactic, i)))

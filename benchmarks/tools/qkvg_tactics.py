@@ -57,11 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         t_fab, t_fb = tactic_or_default(args.fab, "fab", g, m), tactic_or_default(args.fb, "fb", g, m)
         ops = StageOperands(weights, m)
 
-        def cublas(i):
-            j = i % ops.copies
-            torch.mm(ops.xs[j], weights[j].w_qkvg.t(), out=ops.qkvg[j])
-
-        alone = graph_time_per_layer(cublas) * 1e6
+        alone = graph_time_per_layer(ops.qkvg_cublas) * 1e6
         print(f"M={m:2} {'cuBLAS (torch.mm)':20} alone {alone:6.2f} us ({alone / qkvg_floor:.3f}x)", flush=True)
 
         def side(i):

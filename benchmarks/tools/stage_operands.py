@@ -112,6 +112,11 @@ class StageOperands:
         j = i % self.copies
         launch(tactic, self.xs[j], self.weights[j].w_qkvg, self.qkvg[j])
 
+    def qkvg_cublas(self, i: int) -> None:
+        """QKVG of layer ``i`` on cuBLAS (``torch.mm``)."""
+        j = i % self.copies
+        torch.mm(self.xs[j], self.weights[j].w_qkvg.t(), out=self.qkvg[j])
+
     def fab_gemm(self, tactic: Tactic, i: int) -> None:
         j = i % self.copies
         launch(tactic, self.xs[j], self.weights[j].w_fab, self.fab[j])
