@@ -164,9 +164,11 @@ class WgmmaTactic(SplitKSchedule):
     def staging_stride(self) -> int:
         """Elements from one token to the next in the bf16 output tile staged in shared memory: the MMA's rows, 8 more
         where those are an even number of 16-byte runs. An odd number of runs puts consecutive tokens in different
-        16-byte bank groups, so the fragment's 2-byte stores (a warp writes 8 rows of 4 or 8 tokens at once) and the
-        16-byte loads of the runs meet no bank conflicts; at 64 rows a token stride of 128 bytes set 4-way conflicts
-        on every store (Nsight Compute, H200, `benchmarks/results/qkvg-profile/`)."""
+        16-byte bank groups, so by the bank arithmetic the fragment's 2-byte stores (a warp writes 8 rows of 4 or 8
+        tokens at once) and the 16-byte loads of the runs meet no conflicts (not profiled again). At 64 rows a token
+        stride of 128 bytes set 4-way conflicts on every store (Nsight Compute, H200,
+        `benchmarks/results/qkvg-profile/`); with this stride QKVG alone ran 0.2-0.4 us faster at M = 72..128
+        (RESULTS.md, levers)."""
         runs = self.mma_rows // ELEMS_PER_COPY
         return self.mma_rows if runs % 2 else self.mma_rows + ELEMS_PER_COPY
 

@@ -103,12 +103,12 @@ PADDED_ROWS_STAGES = ((128, 9), (152, 8), (192, 7), (224, 6))  # (largest token 
 PADDED_ROWS_WIDER = 8  # rows QKVG's swap-AB CTAs take beyond tokens_on_m_rows (see above TOKENS_ON_M_MAX_M)
 # Up to PADDED_ROWS_NARROW_MAX_M tokens the swap-AB form keeps tokens_on_m_rows where those are at least
 # PADDED_ROWS_NARROW_MIN_ROWS (TP 8: 128 CTAs of 48 rows): F_A/beta over all of K on the 4 SMs they leave, then F_B,
-# still end within QKVG's time there. Measured on H200 for Kimi-K3 TP 8, 9 slots, the staged output tiles free of bank
-# conflicts (qkvg_tactics.py, benchmarks/results/levers/fused-stage-swap-ab-48-rows/ and staged-output-bank-conflicts/):
-# the stage took 22.82-22.83 us at M = 72 with 48-row CTAs against 23.08-23.32 with 56-row ones, 23.90-24.08 against
-# 23.98 at 80, and 24.89-24.94 / 25.28-25.33 / 26.96-26.99 against 24.38 / 24.38 / 24.78 at 88 / 96 / 104. Narrower CTAs
-# (TP 16: 24 rows) were not measured in this form and keep the wider one: their side chain's padded F_A/beta atoms are
-# as many MMAs as TP 8's, beside half the QKVG per CTA.
+# still end within QKVG's time there. Measured on H200 for Kimi-K3 TP 8, 9 slots, output tiles staged at
+# WgmmaTactic.staging_stride (qkvg_tactics.py, benchmarks/results/levers/fused-stage-swap-ab-48-rows/ and
+# staged-output-bank-conflicts/): the stage took 22.82-22.83 us at M = 72 with 48-row CTAs against 23.08-23.32 with
+# 56-row ones, 23.90-24.08 against 23.98 at 80, and 24.89-24.94 / 25.28-25.33 / 26.96-26.99 against 24.38 / 24.38 /
+# 24.78 at 88 / 96 / 104. Narrower CTAs (TP 16: 24 rows) were not measured in this form and keep the wider one: their
+# side chain's padded F_A/beta atoms are as many MMAs as TP 8's, beside half the QKVG per CTA.
 PADDED_ROWS_NARROW_MAX_M = 72
 PADDED_ROWS_NARROW_MIN_ROWS = 48
 FUSED_MAX_M = PADDED_ROWS_STAGES[-1][0]
