@@ -176,18 +176,9 @@ class WgmmaTactic(SplitKSchedule):
         """Shared memory of the staged bf16 output tile (:meth:`staging_stride` per token)."""
         return self.staging_stride() * self.mma_tokens * 2
 
-    def partial_stride(self) -> int:
-        """Elements from one token to the next in the fp32 partial an in-cluster split stages: the MMA's rows, 4 more
-        where those are an even number of 16-byte runs, for the reason :meth:`staging_stride` gives. At 64 rows a
-        token stride of 256 bytes puts the 4 tokens a warp's fragment store spans in one bank (4-way conflicts, by the
-        bank arithmetic)."""
-        runs = self.mma_rows // VECTOR_FLOATS
-        return self.mma_rows if runs % 2 else self.mma_rows + VECTOR_FLOATS
-
     def partial_bytes(self) -> int:
-        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile at
-        :meth:`partial_stride` per token (0 otherwise)."""
-        return self.partial_stride() * self.mma_tokens * 4 if self.in_cluster else 0
+        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile (0 otherwise)."""
+        return self.mma_rows * self.mma_tokens * 4 if self.in_cluster else 0
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -752,7 +743,7 @@ class WgmmaGemm:
         t = self.tactic
         self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
         s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
-                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.partial_stride())))
+                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
         thr_mma.partition_C(s_p).store(acc.load())
         self._cluster_sync()
         vec = (ELEMS_PER_COPY, 1)
@@ -769,7 +760,7 @@ class WgmmaGemm:
             if v < share and i < vectors:
                 if self._in_bounds(v_c[(0, i)], m_tokens):
                     # Every split's loads are issued before the first add: one wait for the cluster, not split_k.
-                    base = s_p.iterator + (i % row_vectors) * ELEMS_PER_COPY + (i // row_vectors) * t.partial_stride()
+                    base = s_p.iterator + (i % row_vectors) * ELEMS_PER_COPY + (i // row_vectors) * t.mma_rows
                     parts = [load_peer_f32x4(base, split) + load_peer_f32x4(base + VECTOR_FLOATS, split)
                              for split in range(t.split_k)]
                     for e in cutlass.range_constexpr(ELEMS_PER_COPY):
