@@ -28,17 +28,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    specs = args.qkvg.split(",")
-    for m in args.ms:  # a key that does not parse stops the run before the GPU is touched
-        for spec in specs:
-            parse_tactic(spec, m)
+    # Parsed before the GPU is touched: a key that does not parse stops the run there.
+    tactics = {m: [parse_tactic(spec, m) for spec in args.qkvg.split(",")] for m in args.ms}
     _, weights, _ = kimi_k3(args.tp)
     for m in args.ms:
         ops = StageOperands(weights, m)
 
         runs = [("cuBLAS (torch.mm)", ops.qkvg_cublas)]
-        for spec in specs:
-            tactic = parse_tactic(spec, m)
+        for tactic in tactics[m]:
             runs.append((tactic.key(), lambda i, tactic=tactic, ops=ops: ops.qkvg_gemm(tactic, i)))
         for _, run in runs:
             for i in range(ops.copies):
