@@ -30,6 +30,7 @@ import torch
 from kda_backend import dispatch
 from kda_backend.accuracy import output_error
 from kda_backend.batch_sizes import engine_batch_sizes
+from kda_backend.decode_step import DecodeStepTimer
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.occupancy import SmBudget, spare_slot_tactics
 from kda_backend.kernels.skinny_gemm import Tactic, candidate_tactics, default_tactic
@@ -44,17 +45,16 @@ from kda_backend.kernels.tactics import (
     wgmma_serves,
 )
 from kda_backend.kernels.wgmma_gemm import default_wgmma_tactic, leaves_room, wgmma_candidate_tactics
-from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan, Step, TacticTable
+from kda_backend.log import warn_once
+from kda_backend.plan import AUTO, SEQUENTIAL_CUBLAS, SEQUENTIAL_TORCH, Plan, Step, TacticTable
 from kda_backend.plugins import hooks
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.base import ROLES
 from kda_backend.providers.cute_provider import launch
 from kda_backend.reference import reference_projection
-from kda_backend.timing import graph_time_per_layer
+from kda_backend.timing import COPIES, LAYERS, graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
 
-COPIES = 6
-LAYERS = 24
 # Every batch size either engine captures by default (a plan answers between them by the next larger tuned M).
 DEFAULT_MS = engine_batch_sizes("all")
 # Representative M per tactic bucket (see kernels.tactics.tactic_bucket) for tactic tuning.
@@ -79,6 +79,14 @@ FUSED_TIE = 1.01
 # 86.18 in bench at M = 240, against sequential cuBLAS's 82.11; with a 2 % margin, steps the autotuner had timed 2.6 %
 # and 2.1 % faster read 3.5 % and 6.4 % slower in bench at M = 104 and 224 (benchmarks/results/h200-tp4-fused/).
 NATIVE_MARGIN = 1.05
+# Then the whole decode step (kda_backend.decode_step) under the plan and under sequential cuBLAS, timed in turn in
+# one process: a step is kept only where its decode step is at least this much faster. A stage timed alone follows a
+# stage of the same kernels, whose drain hides its start; in the decode step other kernels run before it. H200, TP 4,
+# M = 96 / 112 / 128: a fused stage timed 2.9 / 3.7 / 2.1 us faster than sequential cuBLAS's alone (1.06 / 1.08 /
+# 1.04x) left the decode step 0.86 / 0.16 / 0.43 us slower (216.95 / 235.37 / 253.78 against 216.09 / 235.21 /
+# 253.35, benchmarks/RESULTS.md); at TP 8 the decode step kept 1.5-7 % of its time at M = 1..128.
+DECODE_STEP_MARGIN = 1.005
+DECODE_STEP_ROUNDS = 3
 
 
 def make_weight_copies(geometry: KDAGeometry, device: torch.device, copies: int = COPIES) -> list[ProjectionWeights]:
@@ -622,4 +630,31 @@ def autotune(
     buckets = sorted({tactic_bucket(m) for m in ms if m <= top})
     tactics = tune_tactics(geometry, weights, buckets, progress=progress)
     plan, _ = tune_plan(weights, ms, progress=progress, tactics=tactics)
-    return plan
+    del weights  # the decode step's layers bring their own weights
+    try:
+        return confirm_in_decode_step(plan, DecodeStepTimer(geometry, device), progress)
+    except Exception as exc:  # e.g. fla-core missing: the stage's choice stands, unconfirmed
+        warn_once("decode-step-check", f"autotune: the decode step did not run ({type(exc).__name__}: {exc}); the "
+                  "plan keeps the steps chosen by the projection stage's time alone")
+        progress(f"decode step not timed: {type(exc).__name__}: {exc}")
+        return plan
+
+
+def confirm_in_decode_step(
+    plan: Plan, timer: DecodeStepTimer, progress: Callable[[str], None] = lambda _: None
+) -> Plan:
+    """``plan`` with each tuned step other than sequential cuBLAS kept only where the whole decode step under it is
+    :data:`DECODE_STEP_MARGIN` times faster than under sequential cuBLAS (medians of :data:`DECODE_STEP_ROUNDS`
+    rounds, the two timed in turn), else sequential cuBLAS."""
+    steps = dict(plan.steps)
+    for m, step in sorted(plan.steps.items()):
+        if step == SEQUENTIAL_TORCH:
+            continue
+        times = timer.times({"plan": plan, "seq": SEQUENTIAL_CUBLAS}, m, DECODE_STEP_ROUNDS)
+        ours, seq = statistics.median(times["plan"]), statistics.median(times["seq"])
+        kept = ours * DECODE_STEP_MARGIN <= seq
+        if not kept:
+            steps[m] = SEQUENTIAL_TORCH
+        verdict = "kept" if kept else f"sequential cuBLAS instead (within {DECODE_STEP_MARGIN}x)"
+        progress(f"M={m} decode step: {_step_label(step)} {ours:.2f} us, sequential cuBLAS {seq:.2f} us: {verdict}")
+    return dataclasses.replace(plan, steps=steps)

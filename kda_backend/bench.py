@@ -28,16 +28,18 @@ from typing import Any
 import torch
 
 from kda_backend import native
-from kda_backend.autotune import COPIES, LAYERS, MODE_LABELS, make_weight_copies
+from kda_backend.autotune import MODE_LABELS, make_weight_copies
 from kda_backend.batch_sizes import engine_batch_sizes, spans
+from kda_backend.decode_step import DecodeStepTimer
 from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.skinny_gemm import Tactic
 from kda_backend.kernels.wgmma_stage import fused_stage_tactic
-from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+from kda_backend.plan import SEQUENTIAL_CUBLAS, SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import resolve_plan
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.cute_provider import launch
 from kda_backend.timing import (
+    LAYERS,
     copy_bandwidth,
     dense_bf16_rate,
     eager_time_per_call,
@@ -58,7 +60,6 @@ LAYER_MS = (1, 4, 16, 64, 128)
 # cuBLAS at M >= 128), one round apiece measured ratios from 0.94 to 1.02 between runs.
 STAGE_ROUNDS = 3
 PEERS = Step(overlap=True, qkvg="torch", fab="torch", fb="torch")
-SEQUENTIAL_CUBLAS = Plan(fallback=SEQUENTIAL_TORCH)  # the plan of the seq_cuBLAS column: the engines' eager path
 
 
 def _stage_time(weights, plan: Plan, m: int) -> float:
@@ -105,35 +106,6 @@ def _gemm_time(weights, role: str, m: int, provider: str, plan: Plan) -> tuple[f
             torch.mm(xs[i % len(xs)], weights[i % len(weights)].of_role(role).t(), out=outs[i % len(outs)])
 
     return graph_time_per_layer(run, layers=LAYERS), tactic, ctas
-
-
-def layer_decode_time(geometry: KDAGeometry, plan: Plan, m: int, device: torch.device) -> float:
-    """Seconds per layer of one full KimiK3DeltaAttention decode step (M sequences, one token each)."""
-    from kda_backend.layer import KimiK3DeltaAttention
-    from kda_backend.reference import KDALayerWeights
-
-    gen = torch.Generator().manual_seed(m)
-    layers = [
-        KimiK3DeltaAttention(geometry, KDALayerWeights.random(geometry, gen, device=str(device)), plan=plan)
-        for _ in range(COPIES)
-    ]
-    states = [layer.new_state(m) for layer in layers]
-    xs = [torch.randn(m, 1, geometry.hidden_size, device=device, dtype=torch.bfloat16) for _ in layers]
-    for layer in layers:
-        layer.projection.prepare([m])
-    return graph_time_per_layer(lambda i: layers[i % COPIES](xs[i % COPIES], *states[i % COPIES]), layers=LAYERS)
-
-
-def decode_step_times(
-    geometry: KDAGeometry, plans: dict[str, Plan], m: int, device: torch.device, rounds: int = STAGE_ROUNDS
-) -> dict[str, list[float]]:
-    """Microseconds per layer of the whole decode step (:func:`layer_decode_time`) under each of ``plans``, by name,
-    timed in turn for ``rounds`` rounds: plans compared under the same clocks."""
-    times: dict[str, list[float]] = {name: [] for name in plans}
-    for _ in range(rounds):
-        for name, plan in plans.items():
-            times[name].append(layer_decode_time(geometry, plan, m, device) * 1e6)
-    return times
 
 
 def run_bench(
@@ -196,6 +168,7 @@ def run_bench(
         rows.append(row)
         tick()
     layer_rows = []
+    decode_steps = DecodeStepTimer(geometry, device) if any(m in ms for m in LAYER_MS) else None
     for m in LAYER_MS:
         if m not in ms:
             continue
@@ -205,7 +178,7 @@ def run_bench(
         variants = {"ours": plan}
         if plan.step(m) != SEQUENTIAL_TORCH:
             variants["seq_cublas"] = SEQUENTIAL_CUBLAS
-        times = decode_step_times(geometry, variants, m, device)
+        times = decode_steps.times(variants, m, STAGE_ROUNDS)
         layer_us = statistics.median(times["ours"])
         seq_us = statistics.median(times.get("seq_cublas", times["ours"]))
         ours = next(r["ours"] for r in rows if r["m"] == m)

@@ -52,7 +52,11 @@ class KimiK3DeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(weights.dt_bias.float().clone(), **frozen)
         self.o_norm_weight = nn.Parameter(weights.o_norm_weight.float().clone(), **frozen)
         self.o_proj = nn.Parameter(weights.w_o.clone(), **frozen)
-        self.projection = KDAProjection(ProjectionWeights.from_packed(self.in_proj, self.f_b, geometry), plan)
+        self.use_plan(plan)
+
+    def use_plan(self, plan: Plan | None) -> None:
+        """Run the projection stage by ``plan`` from now on (``None``: sequential, automatic providers)."""
+        self.projection = KDAProjection(ProjectionWeights.from_packed(self.in_proj, self.f_b, self.geometry), plan)
 
     def layer_weights(self) -> KDALayerWeights:
         g = self.geometry

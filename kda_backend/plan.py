@@ -307,6 +307,10 @@ class Plan:
         return "\n".join(lines)
 
 
+# The plan of sequential cuBLAS at every M: the engines' own eager path, which a tuned step must beat.
+SEQUENTIAL_CUBLAS = Plan(fallback=SEQUENTIAL_TORCH)
+
+
 def _describe_run(ms: list[int], step: Step) -> str:
     label = "fallback" if not ms else (f"M {ms[0]}" if len(ms) == 1 else f"M {ms[0]}-{ms[-1]}")
     return f"{label:>10}: {step.mode:<10} qkvg={step.qkvg} fab={step.fab} fb={step.fb}"

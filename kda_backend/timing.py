@@ -14,6 +14,9 @@ from collections.abc import Callable
 
 import torch
 
+COPIES = 6  # weight sets a timing graph rotates over: 6 x 90 MB of Kimi-K3 weights exceed L2 many times over
+LAYERS = 24  # layers per timing graph
+
 
 def require_cuda() -> torch.device:
     if not torch.cuda.is_available():
@@ -73,7 +76,7 @@ def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
     return _warmup_streams[device]
 
 
-def graph_time_per_layer(layer: Callable[[int], object], layers: int = 24, replays: int = 50) -> float:
+def graph_time_per_layer(layer: Callable[[int], object], layers: int = LAYERS, replays: int = 50) -> float:
     """Median seconds per layer of a CUDA graph running ``layer(i)`` for i in range(layers).
 
     ``layer`` must be capturable (all kernels compiled, no allocation that depends on data).

@@ -665,6 +665,87 @@ def test_autotuner_keeps_sequential_cublas_unless_clearly_beaten(monkeypatch, ga
                          "M=96: seq:torch/torch 1.04 us (fastest seq:cute/torch 1.00 us, within 1.05x)")
 
 
+class _DecodeSteps:
+    """A decode-step timer answering fixed medians, microseconds per layer: ``{m: (plan, sequential cuBLAS)}``."""
+
+    def __init__(self, medians, fail=None):
+        self.medians, self.fail, self.timed = medians, fail, []
+
+    def times(self, plans, m, rounds):
+        if self.fail is not None:
+            raise self.fail
+        self.timed.append(m)
+        ours, seq = self.medians[m]
+        return {"plan": [ours + 5.0, ours, ours - 0.1][:rounds], "seq": [seq, seq + 5.0, seq - 0.1][:rounds]}
+
+
+def test_autotuner_keeps_a_step_only_where_the_decode_step_gains(monkeypatch):
+    """A step the projection stage chose is kept where the whole decode step under the plan is DECODE_STEP_MARGIN
+    faster than under sequential cuBLAS (medians of the rounds), else sequential cuBLAS; sequential cuBLAS's own
+    steps are not timed again."""
+    from kda_backend import autotune
+    from kda_backend.plan import SEQUENTIAL_TORCH
+
+    fused = Step(overlap=True, fused=True, qkvg="cute", fab="cute", fb="cute")
+    overlap = Step(overlap=True, qkvg="cute", fab="cute", fb="cute")
+    plan = Plan(steps={1: fused, 64: overlap, 96: fused, 128: fused, 256: SEQUENTIAL_TORCH}, source="autotune")
+    timer = _DecodeSteps({1: (65.0, 69.0), 64: (100.0, 100.4), 96: (216.95, 216.09), 128: (250.0, 251.25)})
+    lines = []
+    confirmed = autotune.confirm_in_decode_step(plan, timer, lines.append)
+    assert timer.timed == [1, 64, 96, 128]
+    assert [confirmed.step(m) for m in (1, 64, 96, 128, 256)] == [
+        fused, SEQUENTIAL_TORCH, SEQUENTIAL_TORCH, fused, SEQUENTIAL_TORCH]
+    assert confirmed.source == "autotune" and plan.step(64) == overlap, "the tuned plan itself is left as it was"
+    assert lines == [
+        "M=1 decode step: fused:cute/cute 65.00 us, sequential cuBLAS 69.00 us: kept",
+        "M=64 decode step: ovl:cute/cute 100.00 us, sequential cuBLAS 100.40 us: sequential cuBLAS instead "
+        "(within 1.005x)",
+        "M=96 decode step: fused:cute/cute 216.95 us, sequential cuBLAS 216.09 us: sequential cuBLAS instead "
+        "(within 1.005x)",
+        "M=128 decode step: fused:cute/cute 250.00 us, sequential cuBLAS 251.25 us: kept",
+    ]
+
+
+@pytest.mark.parametrize("fail", [None, ModuleNotFoundError("No module named 'fla'")], ids=["runs", "fails"])
+def test_autotune_confirms_its_plan_in_the_decode_step_or_warns(monkeypatch, kda_log, fail):
+    """``autotune`` weighs the stage's choice in the decode step; where the decode step cannot run (fla-core
+    missing), the stage's choice stands and one warning says so."""
+    from kda_backend import autotune
+
+    fused = Step(overlap=True, fused=True, qkvg="cute", fab="cute", fb="cute")
+    tuned = Plan(steps={16: fused, 128: fused}, source="autotune")
+    timer = _DecodeSteps({16: (80.0, 85.0), 128: (250.0, 249.0)}, fail)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(autotune, "make_weight_copies", lambda geometry, device: [])
+    monkeypatch.setattr(autotune, "tune_tactics", lambda geometry, weights, buckets, progress: {})
+    monkeypatch.setattr(autotune, "tune_plan", lambda weights, ms, progress, tactics: (tuned, {}))
+    monkeypatch.setattr(autotune, "DecodeStepTimer", lambda geometry, device: timer)
+    lines = []
+    plan = autotune.autotune(TINY, torch.device("cpu"), [16, 128], progress=lines.append)
+    autotune.autotune(TINY, torch.device("cpu"), [16, 128])
+    if fail is None:
+        assert (plan.step(16), plan.step(128).mode) == (fused, "sequential") and not kda_log.messages()
+    else:
+        assert plan is tuned
+        assert lines[-1] == "decode step not timed: ModuleNotFoundError: No module named 'fla'"
+        assert kda_log.messages() == [
+            "autotune: the decode step did not run (ModuleNotFoundError: No module named 'fla'); the plan keeps the "
+            "steps chosen by the projection stage's time alone"]
+
+
+def test_layer_runs_the_plan_it_is_given():
+    """``KimiK3DeltaAttention.use_plan`` swaps the projection's plan over the layer's own weights."""
+    from kda_backend.layer import KimiK3DeltaAttention
+
+    layer = KimiK3DeltaAttention(TINY, KDALayerWeights.random(TINY, torch.Generator().manual_seed(3)))
+    plan = Plan(steps={4: Step(overlap=False, qkvg="torch", fab="torch", fb="torch")}, source="autotune")
+    x = torch.randn(4, 1, TINY.hidden_size, dtype=torch.bfloat16)
+    before = layer(x, *layer.new_state(4))
+    layer.use_plan(plan)
+    assert layer.projection.plan is plan and layer.projection.weights.w_qkvg.data_ptr() == layer.in_proj.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(before, layer(x, *layer.new_state(4))))
+
+
 @pytest.mark.parametrize(
     "native_us,fused_us,kept,line",
     [

@@ -3,7 +3,7 @@ in one process, so that plans are compared under the same clocks (one process's 
 another's). ``bench``'s layer rows compare its one plan with sequential cuBLAS the same way.
 
 For each M and each of ``ROUNDS`` rounds, every plan's decode step is timed in turn as ``bench`` times its layer rows
-(:func:`kda_backend.bench.decode_step_times`: a CUDA graph of 24 layers over 6 weight copies, median of replays),
+(:class:`kda_backend.decode_step.DecodeStepTimer`: a CUDA graph of 24 layers over 6 weight copies, median of replays),
 then the median over the rounds per plan is printed with its ratio to the first plan's. The name ``cublas`` stands for
 the plan of sequential cuBLAS (``bench``'s ``seq_cuBLAS``, the engines' own eager path).
 
@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from stage_operands import read_plan, require_cuda, token_counts
 
-from kda_backend.bench import SEQUENTIAL_CUBLAS, decode_step_times
+from kda_backend.decode_step import DecodeStepTimer
 from kda_backend.geometry import preset
+from kda_backend.plan import SEQUENTIAL_CUBLAS
 
 ROUNDS = 3
 
@@ -36,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     geometry = preset("kimi-k3", args.tp)
     plans = {name: SEQUENTIAL_CUBLAS if name == "cublas" else read_plan(Path(name), "plan") for name in args.plans}
+    decode_steps = DecodeStepTimer(geometry, device)
     for m in args.ms:
-        times = decode_step_times(geometry, plans, m, device, ROUNDS)
+        times = decode_steps.times(plans, m, ROUNDS)
         first = statistics.median(times[args.plans[0]])
         for name, found in times.items():
             median = statistics.median(found)

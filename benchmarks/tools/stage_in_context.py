@@ -31,14 +31,15 @@ import torch
 from stage_operands import TACTIC_HELP, parse_tactic, read_plan, require_cuda, token_counts
 
 from kda_backend import dispatch
-from kda_backend.autotune import COPIES, LAYERS, make_weight_copies
-from kda_backend.bench import PEERS, SEQUENTIAL_CUBLAS, decode_step_times
+from kda_backend.autotune import make_weight_copies
+from kda_backend.bench import PEERS
+from kda_backend.decode_step import DecodeStepTimer
 from kda_backend.geometry import preset
 from kda_backend.kernels.wgmma_stage import fused_stage_tactic
-from kda_backend.plan import Plan
+from kda_backend.plan import SEQUENTIAL_CUBLAS, Plan
 from kda_backend.projection import KDAProjection
 from kda_backend.providers.cute_provider import launch
-from kda_backend.timing import graph_time_per_layer
+from kda_backend.timing import COPIES, LAYERS, graph_time_per_layer
 
 ROUNDS = 3
 CONTEXTS = ("alone", "copy", "o_proj")  # "alone" first: the others are reported against it
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = read_plan(args.plan, "plan")
     plans = {"plan": plan, "seq_cuBLAS": SEQUENTIAL_CUBLAS, "peers": Plan(fallback=PEERS)}
     weights = make_weight_copies(geometry, device, COPIES)
+    decode_steps = DecodeStepTimer(geometry, device)
     print("us per layer; +ctx: what the context adds beyond its own kernel's time", flush=True)
     for m in args.ms:
         ops = Operands(weights, m)
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             report(m, context, t, own)
             print(f"M={m:3} {context:7} +ctx " + "  ".join(f"{v} {x - own - alone[v]:+5.2f}" for v, x in t.items()),
                   flush=True)
-        steps = decode_step_times(geometry, {k: plans[k] for k in ("plan", "seq_cuBLAS")}, m, device, ROUNDS)
+        steps = decode_steps.times({k: plans[k] for k in ("plan", "seq_cuBLAS")}, m, ROUNDS)
         ours, seq = (statistics.median(steps[k]) for k in ("plan", "seq_cuBLAS"))
         print(f"M={m:3} decode step  plan {ours:7.2f}  seq_cuBLAS {seq:7.2f}  saved {seq - ours:5.2f} "
               f"(seq/plan {seq / ours:.3f})", flush=True)

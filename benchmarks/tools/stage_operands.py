@@ -23,10 +23,9 @@ from kda_backend.overlap import OverlapScheduler
 from kda_backend.plan import Plan, PlanError
 from kda_backend.plan_store import read_file
 from kda_backend.providers.cute_provider import launch
-from kda_backend.timing import graph_time_per_layer
+from kda_backend.timing import LAYERS, graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
 
-LAYERS = 24  # layers per timed graph (graph_time_per_layer's default)
 TACTIC_KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)(B?)")
 WGMMA_KEY = re.compile(r"w(\d+)k(\d+)(?:t(\d+))?s(\d+)(?:x(\d+))?(m?)(p?)")
 TACTIC_HELP = (
