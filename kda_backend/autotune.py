@@ -1,6 +1,6 @@
 """Measuring candidate plans on the local GPU the way serving runs them, and keeping the fastest.
 
-Two levels, both timed inside CUDA graphs of many layers whose weights rotate over several copies (so nothing
+Three levels, each timed inside CUDA graphs of many layers whose weights rotate over several copies (so nothing
 is served from L2) - see :mod:`kda_backend.timing`:
 
 1. CuTe tactics, per role and tactic bucket (:func:`~kda_backend.kernels.tactics.tactic_bucket`), timed at a
@@ -13,7 +13,10 @@ is served from L2) - see :mod:`kda_backend.timing`:
    fused step where a provider runs the stage as one launch, each candidate running through
    :class:`~kda_backend.projection.KDAProjection` itself, i.e. the real code path, in the forked form the engines'
    decode graphs run, whatever the host answers outside them (``for_tuning``); a fused step that ties with the
-   fastest is kept (:data:`FUSED_TIE`).
+   fastest is kept (:data:`FUSED_TIE`), and sequential cuBLAS unless it is clearly beaten (:data:`NATIVE_MARGIN`).
+3. Per M whose step is not sequential cuBLAS: the whole ``KimiK3DeltaAttention`` decode step under the plan and under
+   sequential cuBLAS, timed in turn (:func:`confirm_in_decode_step`); the step stays only where the decode step
+   gains (:data:`DECODE_STEP_MARGIN`).
 
 Tuning compiles kernels and captures graphs, so it runs before the engine captures its own graphs, never inside.
 """
@@ -84,7 +87,7 @@ NATIVE_MARGIN = 1.05
 # stage of the same kernels, whose drain hides its start; in the decode step other kernels run before it. H200, TP 4,
 # M = 96 / 112 / 128: a fused stage timed 2.9 / 3.7 / 2.1 us faster than sequential cuBLAS's alone (1.06 / 1.08 /
 # 1.04x) left the decode step 0.86 / 0.16 / 0.43 us slower (216.95 / 235.37 / 253.78 against 216.09 / 235.21 /
-# 253.35, benchmarks/RESULTS.md); at TP 8 the decode step kept 1.5-7 % of its time at M = 1..128.
+# 253.35, benchmarks/RESULTS.md); at TP 8 sequential cuBLAS's decode step took 1.015-1.068x the plan's at M = 1..128.
 DECODE_STEP_MARGIN = 1.005
 DECODE_STEP_ROUNDS = 3
 

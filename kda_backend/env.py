@@ -61,7 +61,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "KDA_BACKEND_AUTOTUNE",
         "0",
-        "`1`: when no stored plan matches this device, tune one at load time (about 8-10 minutes on an H200 at TP8) "
+        "`1`: when no stored plan matches this device, tune one at load time (about 8-11 minutes on an H200 at TP8) "
         f"and store it. {_FLAG}",
         "flag",
     ),
