@@ -62,7 +62,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "KDA_BACKEND_AUTOTUNE",
         "0",
         "`1`: when no stored plan matches this device, tune one at load time (about 8-11 minutes on an H200 at TP8) "
-        f"and store it. {_FLAG}",
+        "and store it; where tuning fails, the stored plan or the engine's own path serves, with one warning. "
+        f"{_FLAG}",
         "flag",
     ),
     EnvVar("KDA_BACKEND_CACHE_DIR", "", "Autotune/compile cache folder; default: the host's choice, else "

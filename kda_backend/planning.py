@@ -1,8 +1,9 @@
 """Which plan a projection runs: forced by the environment, stored for this device, tuned now, or the safe default.
 
 Order: ``KDA_BACKEND_PLAN`` (``sequential``, ``overlap`` or a plan file) > the stored plan for this device key >
-tuning now when ``KDA_BACKEND_AUTOTUNE=1`` (then stored) > no steps, with one warning: an engine adapter keeps the
-engine's own path at every M (:meth:`~kda_backend.plan.Plan.covers`), a standalone projection runs sequential cuBLAS.
+tuning now when ``KDA_BACKEND_AUTOTUNE=1`` (then stored; where tuning fails, the stored plan, with one warning) > no
+steps, with one warning: an engine adapter keeps the engine's own path at every M
+(:meth:`~kda_backend.plan.Plan.covers`), a standalone projection runs sequential cuBLAS.
 The result passes through the ``kda_share_plan`` hook so every tensor-parallel rank runs the same plan.
 """
 
@@ -94,7 +95,7 @@ def resolve_plan(
 
 
 def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]) -> Plan:
-    from kda_backend.autotune import DEFAULT_MS, autotune
+    from kda_backend.autotune import DEFAULT_MS
 
     found = forced_plan(expected_key(geometry, device, dtype))
     if found is None and device.type != "cuda":
@@ -107,13 +108,7 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
         if (found is None or missing) and env.flag("KDA_BACKEND_AUTOTUNE"):
             ms = sorted({*(found.steps if found else ()), *(m for m in sizes if m <= MAX_TUNED_M)}) or DEFAULT_MS
             get_logger().info("tuning the plan for %s tp%d at M = %s", key["device"], geometry.tp_size, spans(ms))
-            # Tuning draws random weights: the host's random state (an engine's sampling) stays as it was.
-            with torch.random.fork_rng(devices=[device] if torch.cuda.is_available() else [], device_type="cuda"):
-                found = autotune(geometry, device, ms)
-            try:
-                get_logger().info("plan stored in %s", plan_store.save(key, found))
-            except OSError as exc:  # a read-only cache folder: the tuned plan still serves this process
-                warn_once(f"unstored-{key['device']}", f"{exc}; serving the tuned plan without storing it")
+            found = _tuned_or_kept(geometry, device, ms, key, found)
     if found is None:
         warn_once(
             f"no-plan-{geometry}",
@@ -125,6 +120,32 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
     plan = share(found)
     _report_coverage(plan, sizes)
     return plan
+
+
+def _tuned_or_kept(
+    geometry: KDAGeometry, device: torch.device, ms: list[int], key: dict[str, Any], stored: Plan | None
+) -> Plan:
+    """The plan tuned now at ``ms``, stored. Where tuning fails (a GPU too full beside the engine's weights, a kernel
+    that does not build) ``stored``, or else no steps (the engine's own path), with one warning: a speed-up asked for
+    at load must not stop the engine loading its model."""
+    from kda_backend.autotune import autotune
+
+    try:
+        # Tuning draws random weights: the host's random state (an engine's sampling) stays as it was.
+        with torch.random.fork_rng(devices=[device] if torch.cuda.is_available() else [], device_type="cuda"):
+            tuned = autotune(geometry, device, ms)
+    except Exception as exc:  # any failure of the optional tuning falls back; the warning names it
+        kept = "the stored plan" if stored is not None else "no tuned plan (the engine's own path)"
+        warn_once(f"autotune-failed-{key['device']}", f"KDA_BACKEND_AUTOTUNE=1: tuning the plan for {key['device']} "
+                  f"tp{geometry.tp_size} failed ({type(exc).__name__}: {exc}); falling back to {kept} (every TP rank "
+                  "serves rank 0's plan). `kda-backend autotune` on this GPU before serving tunes without the "
+                  "engine's weights beside it")
+        return stored if stored is not None else Plan(source="default (tuning failed)", fallback=SEQUENTIAL_TORCH)
+    try:
+        get_logger().info("plan stored in %s", plan_store.save(key, tuned))
+    except OSError as exc:  # a read-only cache folder: the tuned plan still serves this process
+        warn_once(f"unstored-{key['device']}", f"{exc}; serving the tuned plan without storing it")
+    return tuned
 
 
 def _untuned(plan: Plan, sizes: tuple[int, ...]) -> list[int]:

@@ -413,3 +413,35 @@ def test_plan_tuned_at_load_serves_when_the_cache_folder_refuses_it(fake_gpu, mo
     assert resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 16]) == PLAN
     assert kda_log.messages() == [f"cannot store plans in {fake_gpu}: Permission denied; accepted: a folder this "
                                   "process may write (KDA_BACKEND_CACHE_DIR); serving the tuned plan without storing it"]
+
+
+def _tuning_fails(geometry, device, ms=()):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 88.00 MiB")
+
+
+def test_failed_tuning_at_load_falls_back_to_the_engines_path_with_one_warning(fake_gpu, monkeypatch, kda_log):
+    """KDA_BACKEND_AUTOTUNE=1 with no stored plan, and tuning fails (here: the GPU is full beside the model): the
+    engine loads on, its own path at every M, nothing stored, and one warning names the failure and the remedy."""
+    monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
+    monkeypatch.setattr("kda_backend.autotune.autotune", _tuning_fails)
+    plan = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 16])
+    assert plan.steps == {} and not plan.covers(1) and plan.source == "default (tuning failed)"
+    assert plan_store.load(KEY) is None
+    assert kda_log.messages() == [
+        "KDA_BACKEND_AUTOTUNE=1: tuning the plan for NVIDIA H200 tp8 failed (OutOfMemoryError: CUDA out of memory. "
+        "Tried to allocate 88.00 MiB); falling back to no tuned plan (the engine's own path) (every TP rank serves "
+        "rank 0's plan). `kda-backend autotune` on this GPU before serving tunes without the engine's weights beside it"
+    ]
+
+
+def test_failed_tuning_at_load_keeps_the_stored_plan(fake_gpu, monkeypatch, kda_log):
+    """A stored plan lacking some of the host's batch sizes is retuned at load; where that fails it serves as
+    stored (unchanged on disk), with one warning."""
+    plan_store.save(KEY, PLAN)
+    monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
+    monkeypatch.setattr("kda_backend.autotune.autotune", _tuning_fails)
+    assert resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 8, 16]) == PLAN
+    assert plan_store.load(KEY) == PLAN
+    assert [m.split(";")[1] for m in kda_log.messages()] == [
+        " falling back to the stored plan (every TP rank serves rank 0's plan). `kda-backend autotune` on this GPU "
+        "before serving tunes without the engine's weights beside it"]
