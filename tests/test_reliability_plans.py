@@ -429,8 +429,9 @@ def test_failed_tuning_at_load_falls_back_to_the_engines_path_with_one_warning(f
     assert plan_store.load(KEY) is None
     assert kda_log.messages() == [
         "KDA_BACKEND_AUTOTUNE=1: tuning the plan for NVIDIA H200 tp8 failed (OutOfMemoryError: CUDA out of memory. "
-        "Tried to allocate 88.00 MiB); falling back to no tuned plan (the engine's own path) (every TP rank serves "
-        "rank 0's plan). `kda-backend autotune` on this GPU before serving tunes without the engine's weights beside it"
+        "Tried to allocate 88.00 MiB); this rank falls back to no tuned plan (the engine's own path), and every TP "
+        "rank serves rank 0's plan. Run `kda-backend autotune` on this GPU before serving: it tunes without the "
+        "engine's weights beside it"
     ]
 
 
@@ -443,5 +444,5 @@ def test_failed_tuning_at_load_keeps_the_stored_plan(fake_gpu, monkeypatch, kda_
     assert resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 8, 16]) == PLAN
     assert plan_store.load(KEY) == PLAN
     assert [m.split(";")[1] for m in kda_log.messages()] == [
-        " falling back to the stored plan (every TP rank serves rank 0's plan). `kda-backend autotune` on this GPU "
-        "before serving tunes without the engine's weights beside it"]
+        " this rank falls back to the stored plan, and every TP rank serves rank 0's plan. Run `kda-backend "
+        "autotune` on this GPU before serving: it tunes without the engine's weights beside it"]
