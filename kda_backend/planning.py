@@ -137,9 +137,9 @@ def _tuned_or_kept(
     except Exception as exc:  # any failure of the optional tuning falls back; the warning names it
         kept = "the stored plan" if stored is not None else "no tuned plan (the engine's own path)"
         warn_once(f"autotune-failed-{key['device']}", f"KDA_BACKEND_AUTOTUNE=1: tuning the plan for {key['device']} "
-                  f"tp{geometry.tp_size} failed ({type(exc).__name__}: {exc}); this rank falls back to {kept}, and every "
-                  "TP rank serves rank 0's plan. Run `kda-backend autotune` on this GPU before serving: it tunes "
-                  "without the engine's weights beside it")
+                  f"tp{geometry.tp_size} failed ({type(exc).__name__}: {exc}); this rank falls back to {kept}, and "
+                  "every TP rank serves rank 0's plan. Run `kda-backend autotune` on this GPU before serving: it "
+                  "tunes without the engine's weights beside it")
         return stored if stored is not None else Plan(source="default (tuning failed)", fallback=SEQUENTIAL_TORCH)
     try:
         get_logger().info("plan stored in %s", plan_store.save(key, tuned))
