@@ -92,10 +92,11 @@ def select(call: GemmCall, forced: str | None = None) -> GemmProvider:
     """The provider that serves ``call``.
 
     :param call: the GEMM to serve.
-    :param forced: a provider name that must serve it (else ``KDA_BACKEND_PROVIDER``, else automatic).
+    :param forced: a provider name that must serve it where ``KDA_BACKEND_PROVIDER`` pins none for the role (the
+        user's pin wins over a plan's name), else automatic.
     :raises ValueError: a forced provider is unknown or rejects ``call``.
     """
-    forced = forced or forced_providers().get(call.role)
+    forced = forced_providers().get(call.role) or forced
     if forced:
         provider = provider_by_name(forced)
         reason = why_not(provider, call)

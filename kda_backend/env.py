@@ -1,8 +1,9 @@
 """The one place ``KDA_BACKEND_*`` environment variables are read, each parsed strictly.
 
 ``ENV_VARS`` is the documented table (README.md renders the same rows, :func:`markdown_rows`; a test keeps the two
-equal). Values are read on every call, so tests and engines can change them at run time. A value outside what a
-variable accepts raises :class:`EnvError` naming the variable, the value and what is accepted; a
+equal). Values are read where they are used, so tests and engines can change them at run time: most on every call,
+``KDA_BACKEND_LOG_LEVEL`` when the logger is set up and ``KDA_BACKEND_BLOCK_PLUGINS`` when the plugin manager is
+built. A value outside what a variable accepts raises :class:`EnvError` naming the variable, the value and what is accepted; a
 ``KDA_BACKEND_*`` name that is not in the table (a misspelt variable) is warned about once.
 """
 
@@ -49,13 +50,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "KDA_BACKEND_PROVIDER",
         "",
         "Force GEMM providers: one registered `name` for every role, or `role=name,...` (roles qkvg, fab, fb, each "
-        "at most once); anything else is an error. A forced provider that cannot serve a call raises instead of "
-        "falling back.",
+        "at most once); anything else is an error. A pin wins over a plan's provider (one warning where they "
+        "differ); a forced provider that cannot serve a call raises instead of falling back.",
     ),
     EnvVar(
         "KDA_BACKEND_PLAN",
         "",
-        "Force the projection plan: `sequential` or `overlap` (every M), or the path of a plan JSON file written "
+        "Force the projection plan: `sequential` or `overlap` (every M up to 256), or the path of a plan JSON file written "
         "by `kda-backend autotune` for this GPU and geometry (another GPU, TP size or dtype is an error).",
     ),
     EnvVar(

@@ -289,8 +289,19 @@ class Hooks:
         return bool(answers and answers[0][1])
 
     def aux_stream(self, device: torch.device) -> torch.cuda.Stream:
-        # Streams are duck-typed: engines hand over their own stream objects.
-        answers = self._answers("kda_host_aux_stream", lambda stream: stream, first=True, device=device)
+        """The first answer of ``kda_host_aux_stream`` that is a stream on ``device``. Streams are duck-typed
+        (engines hand over their own stream objects): one with ``wait_event``, ``record_event`` and ``device``."""
+
+        def check(stream: Any) -> Any:
+            if not all(callable(getattr(stream, name, None)) for name in ("wait_event", "record_event")):
+                raise _Refused(f"answered {type(stream).__name__} {stream!r:.80}; accepted: a CUDA stream on {device} "
+                               "or None")
+            if getattr(stream, "device", None) != device:
+                raise _Refused(f"answered a stream on {getattr(stream, 'device', None)}; accepted: a CUDA stream on "
+                               f"{device} or None")
+            return stream
+
+        answers = self._answers("kda_host_aux_stream", check, first=True, device=device)
         if not answers:
             raise RuntimeError(f"no plugin provided an auxiliary stream for {device}")
         return answers[0][1]

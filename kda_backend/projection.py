@@ -127,8 +127,15 @@ class KDAProjection:
     def _named_provider(self, role: str, m: int, call: GemmCall) -> str | None:
         """The provider the plan names for ``role`` at ``m``: binding where the plan was tuned for ``m``; for a step
         borrowed from a larger M (see :meth:`Plan.step`) only where that provider serves this call, else ``None``
-        (automatic selection)."""
+        (automatic selection). ``KDA_BACKEND_PROVIDER`` pins win over the plan's name (one warning where they
+        differ)."""
         name = self.plan.step(m).provider(role)
+        pinned = dispatch.forced_providers().get(role)
+        if pinned is not None:
+            if name not in (AUTO, pinned):
+                warn_once(f"pin-over-plan-{role}-{pinned}-{name}", f"KDA_BACKEND_PROVIDER pins {role} to {pinned!r}; "
+                          f"the plan's {name!r} does not serve it")
+            return pinned
         if name == AUTO or self.plan.tuned(m):
             return None if name == AUTO else name
         provider = dispatch.provider_by_name(name)

@@ -56,7 +56,16 @@ def test_kda_host_fork_allowed_default_false_outside_capture_and_overridable():
 
 
 def test_kda_host_aux_stream_external_answer_wins():
-    sentinel = object()
+    class Stream:  # stands for a torch.cuda.Stream on cuda:0, which a CPU cannot create
+        device = torch.device("cuda", 0)
+
+        def wait_event(self, event):
+            pass
+
+        def record_event(self, event=None):
+            pass
+
+    sentinel = Stream()
 
     class StreamHost:
         @hookimpl

@@ -170,6 +170,18 @@ def test_forced_provider_fails_loudly(monkeypatch):
         proj(torch.randn(3, TINY.hidden_size).bfloat16())
 
 
+def test_pinned_provider_wins_over_the_plans_with_one_warning(monkeypatch, kda_log):
+    picky = _Picky()
+    register_plugin(_Plugin(picky), "picky")
+    monkeypatch.setenv("KDA_BACKEND_PROVIDER", "qkvg=torch")
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(qkvg="picky", fab="torch", fb="torch")))
+    for _ in range(2):
+        _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert proj.provider("qkvg", 4).name == "torch" and picky.calls == []
+    assert [m for m in kda_log.messages() if "pins" in m] == [
+        "KDA_BACKEND_PROVIDER pins qkvg to 'torch'; the plan's 'picky' does not serve it"]
+
+
 def test_forced_provider_that_rejects_names_reason(monkeypatch):
     register_plugin(_Plugin(_Picky()), "picky")
     monkeypatch.setenv("KDA_BACKEND_PROVIDER", "picky")

@@ -87,7 +87,12 @@ FILE_CASES = {
     "tactics-object": (("tactics",), {}, "tactics: an object; accepted: a list of objects"),
     "tactic-block-n-string": (("tactics", 0, "tactic", "block_n"), "big",
                               "tactics[0].tactic.block_n: 'big' is a string; accepted: an integer"),
-    "tactic-stages-negative": (("tactics", 0, "tactic", "stages"), -3, "tactics[0].tactic: stages=-3 must be >= 2"),
+    "tactic-stages-negative": (("tactics", 0, "tactic", "stages"), -3,
+                               "tactics[0].tactic: stages=-3 must be a positive integer"),
+    "tactic-block-n-zero": (("tactics", 0, "tactic", "block_n"), 0,
+                            "tactics[0].tactic: block_n=0 must be a positive integer"),
+    "tactic-block-k-zero": (("tactics", 0, "tactic", "block_k"), 0,
+                            "tactics[0].tactic: block_k=0 must be a positive integer"),
     "tactic-block-k": (("tactics", 0, "tactic", "block_k"), 100,
                        "tactics[0].tactic: block_k=100 must be a multiple of 64 dividing K=7168"),
     "tactic-pdl-string": (("tactics", 0, "tactic", "pdl"), "yes",
@@ -136,8 +141,8 @@ def test_stored_plan_file_outside_the_schema_is_ignored_with_one_warning(case, t
     assert kda_log.messages() == [f"ignoring unreadable plan {path}: {FILE_CASES[case][2]}"]
 
 
-@pytest.mark.parametrize("case", ["overlap-string-false", "tactic-stages-negative", "deeply-nested"],
-                         ids=lambda c: f"plan-file-forced-{c}")
+@pytest.mark.parametrize("case", ["overlap-string-false", "tactic-stages-negative", "tactic-block-k-zero",
+                                  "deeply-nested"], ids=lambda c: f"plan-file-forced-{c}")
 def test_forced_plan_file_outside_the_schema_is_refused(case, tmp_path, monkeypatch):
     path = tmp_path / "plan.json"
     _write_case(path, case)

@@ -164,12 +164,35 @@ def test_fork_hook_that_answers_garbage_drops_its_plugin(kda_log):
                                                    "or None")]
 
 
-def test_aux_stream_hook_that_raises_drops_its_plugin_and_the_next_answers(kda_log):
-    stream = object()
+class _Stream:
+    """Stands for a ``torch.cuda.Stream`` (which a CPU cannot create): what the projection's fork uses of one."""
+
+    def __init__(self, device=torch.device("cuda", 0)):
+        self.device = device
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        pass
+
+
+AUX_STREAM_CASES = {
+    "raises": (_raise, "kda_host_aux_stream raised RuntimeError: boom"),
+    "answers-int": (123, "kda_host_aux_stream answered int 123; accepted: a CUDA stream on cuda:0 or None"),
+    "answers-another-device": (_Stream(torch.device("cuda", 1)), "kda_host_aux_stream answered a stream on cuda:1; "
+                                                                 "accepted: a CUDA stream on cuda:0 or None"),
+}
+
+
+@pytest.mark.parametrize("case", list(AUX_STREAM_CASES), ids=[f"plugin-aux-stream-{c}" for c in AUX_STREAM_CASES])
+def test_aux_stream_hook_that_fails_drops_its_plugin_and_the_next_answers(case, kda_log):
+    stream = _Stream()
+    answer, problem = AUX_STREAM_CASES[case]
     register_plugin(_plugin("kda_host_aux_stream", stream), "good")
-    register_plugin(_plugin("kda_host_aux_stream", _raise), "bad")  # registered last: asked first
+    register_plugin(_plugin("kda_host_aux_stream", answer), "bad")  # registered last: asked first
     assert hooks.aux_stream(torch.device("cuda", 0)) is stream
-    assert kda_log.messages() == [_dropped("bad", "kda_host_aux_stream raised RuntimeError: boom")]
+    assert kda_log.messages() == [_dropped("bad", problem)]
 
 
 def test_hook_wrapper_is_dropped(kda_log):

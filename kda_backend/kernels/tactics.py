@@ -16,6 +16,8 @@ An untuned QKVG call gets the ``wgmma`` default from 33 to 64 tokens; above 64 o
 
 from __future__ import annotations
 
+import dataclasses
+
 from kda_backend.kernels.skinny_gemm import Tactic, default_tactic, validate_tactic
 from kda_backend.kernels.wgmma_gemm import (
     WgmmaTactic,
@@ -72,6 +74,11 @@ def default_for(role: str, n: int, k: int, m: int, capability: tuple[int, int] |
 
 def validate_any(tactic: AnyTactic, n: int, k: int, x_row_stride: int) -> str | None:
     """``None`` if ``tactic`` (either family) can run a GEMM with these static sizes, else why not."""
+    # Sizes, depths and splits are all counts: a zero would reach the families' divisibility checks (plan files).
+    for field in dataclasses.fields(tactic):
+        value = getattr(tactic, field.name)
+        if type(value) is int and value < 1:
+            return f"{field.name}={value} must be a positive integer"
     if isinstance(tactic, WgmmaTactic):
         return validate_wgmma_tactic(tactic, n, k, x_row_stride)
     return validate_tactic(tactic, n, k, x_row_stride)
