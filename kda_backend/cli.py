@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kda_backend.batch_sizes import MAX_TUNED_M
 from kda_backend.geometry import PRESETS
 
 
@@ -58,6 +59,14 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: accepted: an integer >= 1")
+    return value
+
+
+def _max_m(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_TUNED_M:
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: an integer from 1 to {MAX_TUNED_M} (the largest M a "
+                                         "plan tunes)")
     return value
 
 
@@ -110,11 +119,11 @@ def _elapsed_printer():
 
 def _bench(args: argparse.Namespace) -> int:
     geometry = _geometry(args)
-    out = _writable_folder(Path(args.out))
     import torch
 
     if not torch.cuda.is_available():
         return _no_cuda()
+    out = _writable_folder(Path(args.out))
     from kda_backend import bench
 
     ms = args.ms or bench.DEFAULT_MS
@@ -223,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--ms", type=_ms, default=None,
                          help="comma-separated token counts M (default: every batch size both engines capture)")
         cmd.set_defaults(func=func)
-    sub.choices["autotune"].add_argument("--max-m", type=_positive_int, default=256,
-                                         help="largest M to tune (default 256)")
+    sub.choices["autotune"].add_argument("--max-m", type=_max_m, default=MAX_TUNED_M,
+                                         help=f"largest M to tune (default {MAX_TUNED_M})")
     sub.choices["autotune"].add_argument(
         "--engine", choices=("vllm", "sglang", "all"), default="all",
         help="tune the default CUDA-graph batch sizes of this engine (default: both); --ms overrides",

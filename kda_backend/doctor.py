@@ -91,13 +91,15 @@ def _providers(packages: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
 
 def _environment() -> dict[str, str]:
     """Set ``KDA_BACKEND_*`` variables whose value is refused, with the message using them would give."""
-    from kda_backend import dispatch
+    from kda_backend import dispatch, planning
 
     problems = env.problems()
-    try:
-        dispatch.forced_providers()
-    except ValueError as exc:
-        problems["KDA_BACKEND_PROVIDER"] = str(exc)
+    checks = (("KDA_BACKEND_PROVIDER", dispatch.forced_providers), ("KDA_BACKEND_PLAN", planning.forced_plan))
+    for name, check in checks:
+        try:
+            check()
+        except ValueError as exc:
+            problems[name] = str(exc)
     return problems
 
 

@@ -106,12 +106,13 @@ class KimiK3DeltaAttention(nn.Module):
         :param x: ``[B, T, hidden]`` in the weights' dtype.
         :param conv_state: ``[slots, C, W]`` pool, updated in place.
         :param recurrent_state: ``[slots, h, D, D]`` fp32 pool, updated in place.
-        :param slots: ``[B]`` int indices into the pools (default ``arange(B)``).
+        :param slots: ``[B]`` int32 or int64 indices into the pools (default ``arange(B)``).
         :returns: ``[B, T, hidden]``, this rank's o_proj partial sum (before the tensor-parallel all-reduce).
         """
         if slots is None:
             slots = torch.arange(x.shape[0], device=x.device)
         self._validate(x, conv_state, recurrent_state, slots)
+        slots = slots.long()  # the pools' index_copy_ takes int64 indices only
         if x.device.type != "cuda":
             return self._forward_reference(x, conv_state, recurrent_state, slots)
         return self._forward_fla(x, conv_state, recurrent_state, slots)

@@ -307,24 +307,30 @@ class Hooks:
         return answers[0][1]
 
     def cache_dir(self) -> Path:
-        """The cache folder: ``KDA_BACKEND_CACHE_DIR``, else the first plugin's answer.
+        """The cache folder: ``KDA_BACKEND_CACHE_DIR``, else the first plugin's answer that can be a folder (an
+        external plugin answering a path that cannot is dropped, and the next one answers).
 
-        :raises ValueError: the folder is a file, a dangling symbolic link or a link loop (the message names
-            where the path came from).
+        :raises ValueError: ``KDA_BACKEND_CACHE_DIR``'s or the built-in plugin's folder is a file, a dangling
+            symbolic link or a link loop, or lies under one (the message names where the path came from).
         """
+        accepted = "accepted: a folder, or a path where one can be created"
         override = env.get("KDA_BACKEND_CACHE_DIR")
         if override.strip():
             path, source = Path(os.path.expanduser(override)), f"KDA_BACKEND_CACHE_DIR={override!r}"
+            problem = folder_problem(path)
         else:
-            answers = self._answers("kda_autotune_cache_dir", _checked_path, first=True)
-            if not answers:
-                raise RuntimeError("no plugin answered kda_autotune_cache_dir")
-            plugin, answer = answers[0]
-            path, source = Path(os.path.expanduser(answer)), f"plugin {plugin!r} (kda_autotune_cache_dir)"
-        problem = folder_problem(path)
+            while True:
+                answers = self._answers("kda_autotune_cache_dir", _checked_path, first=True)
+                if not answers:
+                    raise RuntimeError("no plugin answered kda_autotune_cache_dir")
+                plugin, answer = answers[0]
+                path, source = Path(os.path.expanduser(answer)), f"plugin {plugin!r} (kda_autotune_cache_dir)"
+                problem = folder_problem(path)
+                if problem is None or is_builtin(plugin):
+                    break
+                drop_plugin(plugin, f"kda_autotune_cache_dir answered {str(path)!r}: {problem}; {accepted}")
         if problem is not None:
-            raise ValueError(f"cache folder {path} from {source}: {problem}; accepted: a folder, or a path where "
-                             "one can be created")
+            raise ValueError(f"cache folder {path} from {source}: {problem}; {accepted}")
         return path
 
     def share_plan(self, plan: dict[str, Any], parse: Callable[[dict[str, Any]], Any] | None = None) -> Any:

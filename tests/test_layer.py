@@ -37,10 +37,10 @@ def _run_reference(layer, w, steps, conv, rec, slots):
     return outs, conv_ref, rec_ref
 
 
-def _check(layer, w, device, lengths, tol):
+def _check(layer, w, device, lengths, tol, slot_dtype=torch.int64):
     conv, rec = _random_state(layer, 5)
     conv, rec = conv.to(device), rec.to(device)
-    slots = torch.tensor([3, 0], device=device)
+    slots = torch.tensor([3, 0], device=device, dtype=slot_dtype)
     conv0, rec0 = conv.clone(), rec.clone()
     gen = torch.Generator().manual_seed(7)
     steps = [torch.randn(2, t, layer.geometry.hidden_size, generator=gen).bfloat16().to(device) for t in lengths]
@@ -55,9 +55,10 @@ def _check(layer, w, device, lengths, tol):
     assert torch.equal(conv[untouched], conv0[untouched]) and torch.equal(rec[untouched], rec0[untouched])
 
 
-def test_cpu_layer_prefill_then_decode_matches_reference():
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=["slots-int64", "slots-int32"])
+def test_cpu_layer_prefill_then_decode_matches_reference(slot_dtype):
     layer, w = _layer(TINY)
-    _check(layer, w, "cpu", lengths=[5, 1, 1, 3], tol=1e-2)  # bf16 output rounding
+    _check(layer, w, "cpu", lengths=[5, 1, 1, 3], tol=1e-2, slot_dtype=slot_dtype)  # bf16 output rounding
 
 
 def test_cpu_layer_bad_state_named():

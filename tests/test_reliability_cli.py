@@ -118,6 +118,9 @@ ARGUMENT_CASES = {
                                                     "integer >= 1"),
     "autotune-max-m-zero": (["autotune", "--max-m", "0"], "kda-backend autotune: error: argument --max-m: '0': "
                                                           "accepted: an integer >= 1"),
+    "autotune-max-m-above": (["autotune", "--max-m", "300"], "kda-backend autotune: error: argument --max-m: '300': "
+                                                             "accepted: an integer from 1 to 256 (the largest M a "
+                                                             "plan tunes)"),
     "bench-preset": (["bench", "--preset", "kimi-k4"], "kda-backend bench: error: argument --preset: invalid choice: "
                                                        "'kimi-k4' (choose from 'kimi-k3')"),
     "autotune-engine": (["autotune", "--engine", "trt"], "kda-backend autotune: error: argument --engine: invalid "
@@ -179,13 +182,19 @@ def test_doctor_reports_engines_and_providers_truthfully(capsys):
 def test_doctor_on_a_misconfigured_machine_reports_instead_of_failing(tmp_path, capsys, monkeypatch):
     cache = tmp_path / "cache"
     cache.write_text("")
+    plan = tmp_path / "missing.json"
     for name, value in (("KDA_BACKEND_CACHE_DIR", str(cache)), ("KDA_BACKEND_AUTOTUNE", "2"),
-                        ("KDA_BACKEND_PROVIDER", "cute,torch"), ("KDA_BACKEND_PROVIDERS", "torch")):
+                        ("KDA_BACKEND_PROVIDER", "cute,torch"), ("KDA_BACKEND_PROVIDERS", "torch"),
+                        ("KDA_BACKEND_PLAN", str(plan))):
         monkeypatch.setenv(name, value)
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["cache"]["error"] == (f"cache folder {cache} from KDA_BACKEND_CACHE_DIR={str(cache)!r}: {cache} is "
                                         "not a folder; accepted: a folder, or a path where one can be created")
-    assert sorted(report["environment"]) == ["KDA_BACKEND_AUTOTUNE", "KDA_BACKEND_PROVIDER", "KDA_BACKEND_PROVIDERS"]
+    assert sorted(report["environment"]) == ["KDA_BACKEND_AUTOTUNE", "KDA_BACKEND_PLAN", "KDA_BACKEND_PROVIDER",
+                                             "KDA_BACKEND_PROVIDERS"]
+    assert report["environment"]["KDA_BACKEND_PLAN"] == (
+        f"KDA_BACKEND_PLAN={str(plan)!r}: no such file; accepted: 'sequential', 'overlap' or the path of a plan file "
+        "written by `kda-backend autotune`")
     assert report["environment"]["KDA_BACKEND_AUTOTUNE"] == (
         "KDA_BACKEND_AUTOTUNE='2': not a boolean; accepted: 1, true, yes, on or 0, false, no, off (any case)")

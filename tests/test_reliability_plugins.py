@@ -157,6 +157,17 @@ def test_cache_dir_hook_that_fails_drops_its_plugin_and_the_default_serves(case,
     assert kda_log.messages() == [_dropped("host", problem)]
 
 
+def test_cache_dir_hook_answering_a_file_drops_its_plugin_and_the_default_serves(tmp_path, monkeypatch, kda_log):
+    monkeypatch.delenv("KDA_BACKEND_CACHE_DIR", raising=False)
+    file = tmp_path / "file"
+    file.write_text("x")
+    register_plugin(_plugin("kda_autotune_cache_dir", str(file / "cache")), "host")
+    assert hooks.cache_dir().parts[-2:] == (".cache", "kda_backend")
+    assert kda_log.messages() == [_dropped("host", f"kda_autotune_cache_dir answered {str(file / 'cache')!r}: {file} "
+                                                   "is not a folder; accepted: a folder, or a path where one can be "
+                                                   "created")]
+
+
 def test_fork_hook_that_answers_garbage_drops_its_plugin(kda_log):
     register_plugin(_plugin("kda_host_fork_allowed", "yes"), "host")
     assert hooks.fork_allowed(torch.device("cpu")) is False
