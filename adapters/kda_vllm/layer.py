@@ -85,9 +85,15 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         info_once("vllm-serves", "vLLM: Kimi-K3 KDA layers use kda-backend's projection stage")
         # Where the plan serves every M vLLM's overlap branch would take, that branch never runs for this layer; a
         # zero token limit also makes vLLM's warm-up skip tuning its overlap kernels for it. Elsewhere (no tuned
-        # plan) vLLM's path, its overlap included, stays exactly as vLLM set it up.
-        if self.kda_projection.serves(self._projection_overlap_max_tokens):
-            self._projection_overlap_max_tokens = 0
+        # plan, or one tuned below vLLM's limit) vLLM's path, its overlap included, stays exactly as vLLM set it up.
+        limit = self._projection_overlap_max_tokens
+        if limit > 0:
+            from vllm.models.kimi_k3.nvidia import low_latency_gemm
+
+            # The model's init sets the limit to its smallest configs' reach; vLLM's warm-up (autotune_kda_qkvg)
+            # raises every positive one to the limit its forward then runs with.
+            if self.kda_projection.serves(max(limit, low_latency_gemm.KDA_PROJECTION_OVERLAP_MAX_TOKENS)):
+                self._projection_overlap_max_tokens = 0
 
     def _why_vllm_path(self) -> str | None:
         """Why the projection cannot serve from the tensors vLLM keeps, or ``None`` where it can. Depends only on

@@ -144,6 +144,15 @@ def _build_layer(vllm_config, dtype=torch.bfloat16, seed=0, aux_stream=None):
     return layer
 
 
+def _init_overlap_limit():
+    """The overlap limit ``low_latency_gemm._enable_kda_projection_overlap`` gives a layer at model init where vLLM's
+    low-latency GEMMs serve it (it needs Kimi-K3's shapes on a GPU, so the tests set it); vLLM's warm-up
+    (``autotune_kda_qkvg``) then raises it to ``KDA_PROJECTION_OVERLAP_MAX_TOKENS``."""
+    from vllm.models.kimi_k3.nvidia import low_latency_gemm
+
+    return max(low_latency_gemm.KDA_QKVG_CONFIGS)
+
+
 def _vllm_projection(layer, x):
     """vLLM's own sequential projection on the same weights (its non-overlap branch)."""
     projected = layer.in_proj_qkvgfab(x)[0]
@@ -445,8 +454,12 @@ def test_vllm_overlap_branch_is_dead_where_we_serve_and_untouched_where_vllm_ser
     from vllm.models.kimi_k3.nvidia import low_latency_gemm
 
     aux = object()  # stands for the model's torch.cuda.Stream, which a CPU cannot create
-    served = _build_layer(vllm_env, dtype=torch.bfloat16, aux_stream=aux)
+    served = _construct(vllm_env, torch.bfloat16, aux)
+    served._projection_overlap_max_tokens = _init_overlap_limit()
+    _post_load(served, vllm_env)
     assert served.kda_projection is not None and served.kda_projection.aux_stream is aux
+    assert served.kda_projection.serves(low_latency_gemm.KDA_PROJECTION_OVERLAP_MAX_TOKENS)
+    assert served._projection_overlap_max_tokens == 0
     low_latency_gemm.autotune_kda_qkvg(torch.nn.ModuleDict({"attn": served}))  # vLLM's warm-up step
     assert served._projection_overlap_max_tokens == 0
     with monkeypatch.context() as patch:
@@ -457,10 +470,12 @@ def test_vllm_overlap_branch_is_dead_where_we_serve_and_untouched_where_vllm_ser
         x = torch.randn(4, HIDDEN, dtype=torch.bfloat16)
         assert served.forward(x, torch.arange(4)).shape == (4, HIDDEN)
     plain = _construct(vllm_env, torch.float32, aux)
-    plain._projection_overlap_max_tokens = 14  # as low_latency_gemm._enable_kda_projection_overlap sets it at init
+    plain._projection_overlap_max_tokens = _init_overlap_limit()
     _post_load(plain, vllm_env)
     assert plain.kda_projection is None and plain._projection_aux_stream is aux
-    assert plain._projection_events is not None and plain._projection_overlap_max_tokens == 14
+    assert plain._projection_events is not None and plain._projection_overlap_max_tokens == _init_overlap_limit()
+    low_latency_gemm.autotune_kda_qkvg(torch.nn.ModuleDict({"attn": plain}))
+    assert plain._projection_overlap_max_tokens == low_latency_gemm.KDA_PROJECTION_OVERLAP_MAX_TOKENS
 
 
 def _never(what):
@@ -506,7 +521,10 @@ def test_batch_invariant_mode_keeps_vllm_path(injected, vllm_env, monkeypatch):
 @pytest.mark.parametrize("tuned_up_to", [0, 8], ids=["no-plan", "plan-to-8"])
 def test_batch_sizes_the_plan_has_no_step_for_run_vllms_own_path(injected, vllm_env, tuned_up_to, monkeypatch):
     """Where the plan has no step for M (no tuned plan, or M above its largest tuned one) the layer's forward is
-    vLLM's own, its overlap limit left as vLLM set it; where the plan has one, the projection serves."""
+    vLLM's own, its overlap limit left as vLLM set it (its warm-up then raises it to the limit its forward runs
+    with); where the plan has one, the projection serves."""
+    from vllm.models.kimi_k3.nvidia import low_latency_gemm
+
     from kda_backend import serving
     from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 
@@ -514,12 +532,15 @@ def test_batch_sizes_the_plan_has_no_step_for_run_vllms_own_path(injected, vllm_
             else Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH))
     monkeypatch.setattr(serving, "resolve_plan", lambda *args, **kwargs: plan)
     layer = _construct(vllm_env)
-    layer._projection_overlap_max_tokens = 14  # as low_latency_gemm._enable_kda_projection_overlap sets it at init
+    layer._projection_overlap_max_tokens = _init_overlap_limit()
     gen = torch.Generator().manual_seed(3)
     for p in (layer.in_proj_qkvgfab.weight, layer.f_b_proj.weight, layer.o_proj.weight):
         p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5)
     _post_load(layer, vllm_env)
-    assert isinstance(layer.kda_projection, KDAProjection) and layer._projection_overlap_max_tokens == 14
+    assert isinstance(layer.kda_projection, KDAProjection)
+    assert layer._projection_overlap_max_tokens == _init_overlap_limit()
+    low_latency_gemm.autotune_kda_qkvg(torch.nn.ModuleDict({"attn": layer}))  # vLLM's warm-up step
+    assert layer._projection_overlap_max_tokens == low_latency_gemm.KDA_PROJECTION_OVERLAP_MAX_TOKENS
     served = []
     projection_call = KDAProjection.__call__
     monkeypatch.setattr(KDAProjection, "__call__", lambda self, x, *a, **k: served.append(len(x)) or
