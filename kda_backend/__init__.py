@@ -30,6 +30,7 @@ _PUBLIC = {
     "hooks": "kda_backend.plugins",
     "preset": "kda_backend.geometry",
     "register_plugin": "kda_backend.plugins",
+    "serve_layer": "kda_backend.serving",
     "unregister_plugin": "kda_backend.plugins",
     "valid_tp_sizes": "kda_backend.geometry",
 }

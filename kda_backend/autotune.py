@@ -497,7 +497,7 @@ def fusing_providers(weights: ProjectionWeights, m: int, tactics: TacticTable | 
     return tuple(names)
 
 
-def step_candidates(m: int, usable: dict[str, tuple[str, ...]], fusing: tuple[str, ...] = ()) -> list[Step]:
+def step_candidates(usable: dict[str, tuple[str, ...]], fusing: tuple[str, ...] = ()) -> list[Step]:
     """Overlapped or sequential x provider of QKVG x provider of the side chain. F_B follows the side chain's
     provider where that one serves it (it reads a strided view not every provider takes), else ``auto``; a
     provider that serves F_B but not F_A/beta (CuTe above 64 tokens) gets F_B beside each F_A/beta provider too. Then
@@ -564,7 +564,7 @@ def tune_plan(
     for m in ms:
         results = []
         usable = usable_providers(weights[0], m, tactics)
-        for step in step_candidates(m, usable, fusing_providers(weights[0], m, tactics)):
+        for step in step_candidates(usable, fusing_providers(weights[0], m, tactics)):
             try:
                 reason = step_error(weights, step, m, tactics)
                 if reason is not None:

@@ -111,7 +111,6 @@ def _gemm_time(weights, role: str, m: int, provider: str, plan: Plan) -> tuple[f
 def run_bench(
     geometry: KDAGeometry,
     ms: tuple[int, ...] = DEFAULT_MS,
-    progress: Callable[[str], None] = print,
     tick: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Measure every variant for every M; returns JSON-compatible results (times in microseconds)."""

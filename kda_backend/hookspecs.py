@@ -27,8 +27,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def kda_gemm_providers() -> list[GemmProvider]:
     """Contribute GEMM providers.
 
-    Fires once, when the plugin manager is first built. Every implementation's providers are collected; dispatch
-    tries them by descending ``priority`` and ends at the built-in torch provider.
+    Fires when providers are first needed, and again after a plugin is registered, unregistered or dropped. Every
+    implementation's providers are collected; dispatch tries them by descending ``priority`` and ends at the
+    built-in torch provider.
 
     :returns: providers this plugin adds (possibly empty).
     """
@@ -38,12 +39,12 @@ def kda_gemm_providers() -> list[GemmProvider]:
 def kda_host_fork_allowed(device: torch.device) -> bool | None:
     """Whether the projection may fork onto an auxiliary stream right now.
 
-    Fires at every projection forward on CUDA, except the autotuner's candidates, which fork exactly while its own
-    timing graphs capture (they time the form decode graphs run). A host engine answers ``True`` only while the
-    projection's stream is being captured into a graph whose replay runs the fork as captured: a full graph, or the
-    open segment of a breakable one (the projection joins its fork before it returns, so the fork never spans a
-    segment boundary); never in eager runs or in code a piecewise graph leaves to run eagerly. ``None`` defers to
-    the next plugin.
+    Fires at every projection forward on CUDA that runs an overlapped step, except the autotuner's candidates,
+    which fork exactly while its own timing graphs capture (they time the form decode graphs run). A host engine
+    answers ``True`` only while the projection's stream is being captured into a graph whose replay runs the fork
+    as captured: a full graph, or the open segment of a breakable one (the projection joins its fork before it
+    returns, so the fork never spans a segment boundary); never in eager runs or in code a piecewise graph leaves
+    to run eagerly. ``None`` defers to the next plugin.
     The built-in answer is ``torch.cuda.is_current_stream_capturing()``.
 
     :param device: the device the projection runs on.

@@ -20,6 +20,7 @@ import torch
 
 from kda_backend import dispatch
 from kda_backend.geometry import KDAGeometry
+from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.log import info_once, warn_once
 from kda_backend.overlap import fork_while_capturing
 from kda_backend.plan import AUTO, Plan
@@ -147,6 +148,18 @@ class KDAProjection:
         """Whether a failure of ``role``'s provider at ``m`` must raise: the environment or a plan tuned for ``m``
         names it."""
         return dispatch.is_forced(role) or (self.plan.tuned(m) and self.plan.step(m).provider(role) != AUTO)
+
+    def state_buffers(self) -> dict[str, torch.Tensor]:
+        """The GPU tensors the kernels keep state in between launches, by buffer name: the split-K arrival
+        counters (``[streams, counters]`` int32, zero whenever none of the kernels runs), once a CuTe kernel
+        reserved them; ``{}`` on other devices. An engine that releases its weights' memory and maps it again
+        (vLLM's sleep level 2, SGLang's memory saver) restores its model's buffers and nothing else allocated at
+        load: an adapter registers these as non-persistent buffers of the layer
+        (:func:`~kda_backend.serving.keep_state`)."""
+        if self._device.type != "cuda":
+            return {}
+        arena = arrival_counters.arena(self._device)
+        return {} if arena is None else {"kda_arrival_counters": arena}
 
     def serves(self, m: int) -> bool:
         """Whether the plan has a step for ``m`` tokens (:meth:`~kda_backend.plan.Plan.covers`). An engine adapter

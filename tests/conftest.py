@@ -18,10 +18,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def fresh_plugins(monkeypatch):
-    """Every test starts with a freshly built plugin manager, no broken providers, once-warnings or resolved plans."""
-    from kda_backend import dispatch, log, planning
+    """Every test starts with a freshly built plugin manager, no broken providers, once-warnings, resolved plans or
+    failed builds."""
+    from kda_backend import dispatch, log, planning, serving
 
     monkeypatch.setattr(dispatch, "_broken", {})
+    monkeypatch.setattr(serving, "_failed", {})
     monkeypatch.setattr(planning, "_resolved", {})
     monkeypatch.setattr(log, "_warned", set())
     plugins.reset_plugin_manager()

@@ -98,14 +98,14 @@ def test_autotune_candidates_follow_usable_providers():
     w = ProjectionWeights.from_packed(packed, w_fb, g)
     assert usable_providers(w, 4) == {"qkvg": ("torch",), "fab": ("torch",), "fb": ("torch",)}
     usable = {"qkvg": ("cute", "flashinfer", "torch"), "fab": ("cute", "flashinfer", "torch"), "fb": ("cute", "torch")}
-    steps = step_candidates(4, usable)
+    steps = step_candidates(usable)
     assert len(steps) == 18 and len(set(steps)) == 18
     assert Step(overlap=True, qkvg="cute", fab="flashinfer", fb=AUTO) in steps
     assert Step(overlap=False, qkvg="flashinfer", fab="cute", fb="cute") in steps
-    fused = step_candidates(4, usable, fusing=("cute",))
+    fused = step_candidates(usable, fusing=("cute",))
     assert fused[:18] == steps and fused[18:] == [Step(overlap=True, qkvg="cute", fab="cute", fb="cute", fused=True)]
     # Above 64 tokens CuTe serves F_B but not F_A/beta: F_B on CuTe is a candidate beside each F_A/beta provider.
-    large = step_candidates(96, {"qkvg": ("cute", "torch"), "fab": ("torch",), "fb": ("cute", "torch")})
+    large = step_candidates({"qkvg": ("cute", "torch"), "fab": ("torch",), "fb": ("cute", "torch")})
     assert len(large) == 8 and len(set(large)) == 8
     assert Step(overlap=False, qkvg="cute", fab="torch", fb="cute") in large
     assert Step(overlap=False, qkvg="cute", fab="torch", fb="torch") in large

@@ -179,6 +179,21 @@ def test_graph_replay_equals_eager_bitwise_with_the_tp4_fused_stage(m, packed):
     _check_replay_equals_eager(m, packed, FUSED_CUTE, tp=4)
 
 
+@pytest.mark.parametrize("m,step", [(16, Step(overlap=True)), (64, FUSED_CUTE)], ids=["overlap-M16", "fused-M64"])
+def test_state_buffers_are_the_arrival_counters_at_rest_between_launches(m, step):
+    """What an engine saves with its model's buffers before releasing its weights' memory (vLLM's sleep level 2,
+    SGLang's memory saver) and writes back on resume: the arrival counters, zero between launches."""
+    w = _weights(8, packed=True)
+    proj = KDAProjection(w, Plan.uniform(m, step))
+    proj.prepare([m])
+    (counters,) = proj.state_buffers().values()
+    assert counters is arrival_counters.arena(w.device)
+    for _ in range(2):
+        proj(torch.randn(m, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+        assert not counters.any()
+
+
 @pytest.mark.parametrize("tp", [4, 8, 16], ids=lambda t: f"tp{t}")
 def test_the_fused_stage_serves_tp4_tp8_and_tp16(tp):
     """TP 4's 96-row QKVG CTAs (tokens on M up to 128 tokens), TP 8's 48-row and TP 16's 24-row ones with a partial

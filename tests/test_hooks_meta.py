@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _hook_names():
-    return sorted(n for n in dir(hookspecs) if n.startswith("kda_") and callable(getattr(hookspecs, n)))
+    """Every function the spec module marks as a hook specification, whatever its name."""
+    return sorted(n for n in dir(hookspecs) if getattr(getattr(hookspecs, n), "kda_backend_spec", None) is not None)
 
 
 def _signature_text(name):
@@ -23,7 +24,6 @@ def test_hooks_exist_and_carry_prefix():
     assert names, "no hooks found"
     for name in names:
         assert name.startswith("kda_"), name
-        assert getattr(getattr(hookspecs, name), "kda_backend_spec", None) is not None, f"{name} is not a hookspec"
 
 
 def test_every_hook_documented_with_exact_signature():

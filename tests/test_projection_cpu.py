@@ -545,6 +545,63 @@ def test_build_projection_names_bad_batch_sizes():
     assert build_projection(_weights(TINY), batch_sizes=[4, 1]).plan.source == "cpu"
 
 
+def _failing_build(monkeypatch):
+    """Building a projection fails after the plan was resolved, as a kernel that does not compile would."""
+    from kda_backend import serving
+
+    built = []
+
+    def fail(*args, **kwargs):
+        built.append(args)
+        raise RuntimeError("ptxas died")
+
+    monkeypatch.setattr(serving, "KDAProjection", fail)
+    return built
+
+
+def test_serve_layer_that_cannot_build_leaves_the_engines_path_with_one_error(monkeypatch, kda_log):
+    from kda_backend import serve_layer
+
+    built = _failing_build(monkeypatch)
+    layers = [torch.nn.Module() for _ in range(3)]
+    assert [serve_layer(layer, _weights(TINY), batch_sizes=[1, 4]) for layer in layers] == [None] * 3
+    assert len(built) == 1  # later layers of the same geometry do not try again
+    assert all(not list(layer.buffers()) for layer in layers)
+    assert kda_log.messages(logging.ERROR) == [
+        "kda-backend could not build the KDA projection (tp_size=1) on cpu: RuntimeError: ptxas died; the engine's "
+        "own projection serves this process's layers"]
+
+
+@pytest.mark.parametrize("forced", [("KDA_BACKEND_PROVIDER", "torch"), ("KDA_BACKEND_PLAN", "sequential")],
+                         ids=["provider-pinned", "plan-forced"])
+def test_serve_layer_that_cannot_build_what_the_user_forced_raises(forced, monkeypatch):
+    from kda_backend import serve_layer
+
+    _failing_build(monkeypatch)
+    monkeypatch.setenv(*forced)
+    with pytest.raises(RuntimeError, match="ptxas died"):
+        serve_layer(torch.nn.Module(), _weights(TINY))
+
+
+def test_serve_layer_keeps_the_projections_state_as_non_persistent_buffers(monkeypatch):
+    """The state an engine must restore after releasing its weights' memory rides on the layer as a buffer:
+    ``named_buffers()`` (what vLLM's sleep and SGLang's memory saver save and restore) sees it once however many
+    layers hold it, ``state_dict()`` (checkpoints) never."""
+    from kda_backend import serve_layer
+
+    counters = torch.zeros(4, 8, dtype=torch.int32)
+    monkeypatch.setattr(KDAProjection, "state_buffers", lambda self: {"kda_arrival_counters": counters})
+    model = torch.nn.ModuleDict({str(i): torch.nn.Linear(2, 2) for i in range(2)})
+    projections = [serve_layer(layer, _weights(TINY)) for layer in model.values()]
+    assert all(isinstance(p, KDAProjection) for p in projections)
+    assert [(name, t is counters) for name, t in model.named_buffers()] == [("0.kda_arrival_counters", True)]
+    assert not any("kda_arrival_counters" in key for key in model.state_dict())
+
+
+def test_state_buffers_are_empty_off_cuda():
+    assert KDAProjection(_weights(TINY)).state_buffers() == {}
+
+
 class _Packer(_Picky):
     """Serves QKVG (on the CPU) and records the calls it builds launchers for."""
 
@@ -665,7 +722,7 @@ def test_autotuner_keeps_sequential_cublas_unless_clearly_beaten(monkeypatch, ga
     from kda_backend import autotune
     from kda_backend.plan import SEQUENTIAL_TORCH
 
-    monkeypatch.setattr(autotune, "step_candidates", lambda m, usable, fusing: [
+    monkeypatch.setattr(autotune, "step_candidates", lambda usable, fusing: [
         SEQUENTIAL_TORCH, Step(overlap=False, qkvg="cute", fab="torch", fb="torch")])
     monkeypatch.setattr(autotune, "step_error", lambda weights, step, m, tactics: None)
     monkeypatch.setattr(autotune, "time_step", lambda weights, step, m, tactics: (
@@ -777,7 +834,7 @@ def test_autotuner_keeps_a_fused_step_that_ties_with_the_fastest(monkeypatch, na
     overlap = Step(overlap=True, qkvg="cute", fab="cute", fb="cute")
     fused = Step(overlap=True, fused=True, qkvg="cute", fab="cute", fb="cute")
     times = {SEQUENTIAL_TORCH: native_us, overlap: 1.0, fused: fused_us}
-    monkeypatch.setattr(autotune, "step_candidates", lambda m, usable, fusing: list(times))
+    monkeypatch.setattr(autotune, "step_candidates", lambda usable, fusing: list(times))
     monkeypatch.setattr(autotune, "step_error", lambda weights, step, m, tactics: None)
     monkeypatch.setattr(autotune, "time_step", lambda weights, step, m, tactics: times[step] * 1e-6)
     lines = []

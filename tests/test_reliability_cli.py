@@ -77,6 +77,20 @@ def test_plot_into_a_read_only_folder_is_one_line(tmp_path, capsys):
     assert line == f"kda-backend plot: cannot write {tmp_path / 'bench.png'}: Permission denied"
 
 
+def test_plot_refused_by_the_file_system_is_one_line(tmp_path, capsys, monkeypatch):
+    """What a read-only folder gives the plot, also where the tests run as root (who may write anywhere)."""
+    from kda_backend import bench
+
+    def refused(results, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(GOOD_RESULTS))
+    monkeypatch.setattr(bench, "write_plot", refused)
+    line = _one_line_exit_2(["plot", str(path)], capsys)
+    assert line == f"kda-backend plot: cannot write {tmp_path / 'bench.png'}: Permission denied"
+
+
 def test_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(GOOD_RESULTS))

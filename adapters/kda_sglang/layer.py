@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.models.kimi_k3 import KimiK3DeltaAttention
 
-from kda_backend import KDAGeometry, KDAProjection, ProjectionWeights, build_projection
+from kda_backend import KDAGeometry, KDAProjection, ProjectionWeights, serve_layer
 from kda_backend.log import get_logger, warn_once
 from kda_sglang.injection import deterministic_inference, graph_token_counts, kda_selected
 
@@ -66,9 +66,9 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         return None
 
     def _build_kda_projection(self) -> KDAProjection | None:
-        """The core's projection over this layer's merged weights, or ``None`` (one warning) where SGLang's own
-        method must serve. The conditions are the same on every rank, so either all ranks build (and join the plan
-        broadcast) or none does."""
+        """The core's projection over this layer's merged weights, or ``None`` (one warning, or one error where
+        building failed after the plan was shared) where SGLang's own method must serve. The conditions are the
+        same on every rank, so either all ranks build (and join the plan broadcast) or none does."""
         reason = self._why_unsupported()
         if reason is None:
             try:
@@ -80,9 +80,9 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         if reason is not None:
             warn_once(f"sglang-unsupported-{reason}", f"SGLang: Kimi-K3 KDA projection kept on SGLang's path: {reason}")
             return None
-        projection = build_projection(weights, aux_stream=self._bfa_alt_stream, batch_sizes=graph_token_counts())
+        projection = serve_layer(self, weights, aux_stream=self._bfa_alt_stream, batch_sizes=graph_token_counts())
         global _announced
-        if not _announced:
+        if projection is not None and not _announced:
             _announced = True
             get_logger().info("SGLang: Kimi-K3 KDA layers use kda-backend's projection stage")
         return projection

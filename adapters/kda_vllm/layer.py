@@ -18,12 +18,13 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.offloader.base import NoopOffloader, get_offloader
 from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
 
-from kda_backend import KDAGeometry, KDAProjection, ProjectionWeights, build_projection
+from kda_backend import KDAGeometry, KDAProjection, ProjectionWeights, serve_layer
 from kda_backend.log import info_once, warn_once
 
 from kda_vllm.injection import register_host
 
 NOT_LOADED = "its weights were never processed (vLLM's process_weights_after_loading did not run for this layer)"
+BUILD_FAILED = "kda-backend could not build its projection (the error logged at load says why)"
 
 
 def graph_token_counts(vllm_config) -> list[int]:
@@ -77,11 +78,12 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
             warn_once(f"vllm-path-{self.kda_vllm_path_reason}", f"vLLM path kept: {self.kda_vllm_path_reason}")
             return
         weights = ProjectionWeights.from_packed(self.in_proj_qkvgfab.weight, self.f_b_proj.weight, self.kda_geometry())
-        self.kda_projection = build_projection(
-            weights,
-            aux_stream=self._projection_aux_stream,
-            batch_sizes=self._kda_graph_token_counts,
+        self.kda_projection = serve_layer(
+            self, weights, aux_stream=self._projection_aux_stream, batch_sizes=self._kda_graph_token_counts
         )
+        if self.kda_projection is None:  # building failed after the plan was shared: said once, as an error
+            self.kda_vllm_path_reason = BUILD_FAILED
+            return
         info_once("vllm-serves", "vLLM: Kimi-K3 KDA layers use kda-backend's projection stage")
         # Where the plan serves every M vLLM's overlap branch would take, that branch never runs for this layer; a
         # zero token limit also makes vLLM's warm-up skip tuning its overlap kernels for it. Elsewhere (no tuned

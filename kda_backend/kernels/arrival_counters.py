@@ -15,6 +15,11 @@ The sets are rows of one zero-initialised arena per device, allocated on first u
 kernel). Handing a row to a stream first seen inside a capture (a side stream) is host bookkeeping only, so nothing
 is allocated or zeroed inside the graph.
 
+An engine that releases its weights' memory and later maps it again (vLLM's sleep level 2, SGLang's memory saver)
+takes the arena with it where it was allocated during model loading, and restores its model's buffers only: the
+adapters therefore register the arena as a non-persistent buffer of each layer
+(:meth:`~kda_backend.projection.KDAProjection.state_buffers`), saved while it is zero and written back on resume.
+
 A captured graph keeps the row of the stream its split-K kernels were captured on. Graphs captured on the same
 stream therefore share a row, so they must not be replayed concurrently. The engines replay one graph at a time.
 """
@@ -43,6 +48,13 @@ class ArrivalCounters:
         """Allocate ``device``'s zeroed arena (idempotent); must run before capturing graphs that use it."""
         index = torch.device(device).index
         self._arena(torch.cuda.current_device() if index is None else index)
+
+    def arena(self, device: torch.device) -> torch.Tensor | None:
+        """``device``'s arena ``[STREAMS_PER_DEVICE, COUNTERS_PER_STREAM]`` int32 where it was reserved, else
+        ``None``."""
+        index = torch.device(device).index
+        with self._lock:
+            return self._arenas.get(torch.cuda.current_device() if index is None else index)
 
     def _arena(self, index: int) -> torch.Tensor:
         with self._lock:

@@ -9,6 +9,7 @@ Kimi-K3 config.
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -485,6 +486,38 @@ def test_weights_loaded_without_post_load_weights_keep_sglang_method_with_one_wa
     assert sum("loaded without post_load_weights" in m for m in kda_log.messages()) == 1
 
 
+def test_projection_that_cannot_build_keeps_sglang_method_with_one_error(kda_backend_selected, kda_log, monkeypatch):
+    """Where building fails after the plan was shared (a kernel that does not compile, memory), the model still
+    loads: SGLang's method serves every layer, one error says why."""
+    from kda_backend import serving
+
+    monkeypatch.setattr(serving, "KDAProjection", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("oom")))
+    layers = [_build_layer(seed) for seed in range(2)]
+    assert all(layer._kda_projection is None for layer in layers)
+    assert sum("could not build the KDA projection" in m and "RuntimeError: oom" in m
+               for m in kda_log.messages(logging.ERROR)) == 1
+    x = torch.randn(3, HIDDEN).bfloat16()
+    _assert_same_outputs(layers[0].forward_qkvbfg_fused(x), _sglang_method(layers[0], x, False), "build failed")
+
+
+def test_projection_state_survives_sglangs_release_and_resume_of_weights(kda_backend_selected, monkeypatch):
+    """SGLang's memory saver (``release_memory_occupation`` / ``resume_memory_occupation`` with the weights tag)
+    maps the weights' memory again without its contents and restores the model's buffers only: the projection's
+    state (its arrival counters) is one of them, so it comes back as it was saved."""
+    from sglang.srt.managers.scheduler_components.weight_updater import _export_static_state, _import_static_state
+
+    from kda_backend import KDAProjection
+
+    counters = torch.zeros(4, 8, dtype=torch.int32)
+    monkeypatch.setattr(KDAProjection, "state_buffers", lambda self: {"kda_arrival_counters": counters})
+    model = torch.nn.ModuleDict({"0": _build_layer(0), "1": _build_layer(1)})
+    stash = _export_static_state(model)
+    counters.fill_(7)  # what the released memory holds once it is mapped again
+    _import_static_state(model, stash)
+    assert not counters.any()
+    assert not any("kda_arrival_counters" in key for key in model.state_dict())
+
+
 def test_rocm_keeps_sglang_method(kda_backend_selected, kda_log, monkeypatch):
     """On ROCm SGLang fuses the in-projection itself: under ``kda`` its method still serves, with one warning."""
     import sglang.srt.utils
@@ -576,18 +609,18 @@ def test_plan_is_shared_at_load_on_every_rank_and_never_in_forward(kda_backend_s
 
 
 def test_cuda_graph_token_counts_reach_the_projection(k3_model_path, monkeypatch):
-    """build_projection gets SGLang's decode CUDA-graph token counts (batch sizes, times the draft tokens a target
+    """serve_layer gets SGLang's decode CUDA-graph token counts (batch sizes, times the draft tokens a target
     verifies under speculative decoding), so every kernel is compiled before capture."""
     import kda_sglang.layer as layer_module
 
     seen = []
-    real = layer_module.build_projection
+    real = layer_module.serve_layer
 
-    def spy(weights, **kwargs):
+    def spy(layer, weights, **kwargs):
         seen.append(tuple(kwargs["batch_sizes"]))
-        return real(weights, **kwargs)
+        return real(layer, weights, **kwargs)
 
-    monkeypatch.setattr(layer_module, "build_projection", spy)
+    monkeypatch.setattr(layer_module, "serve_layer", spy)
     eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", "4"]
     for argv, widths in (([], {1}), (eagle, {4}), ([*eagle, "--speculative-adaptive"], None)):

@@ -12,6 +12,7 @@ compute capability are emulated through the test-only seams listed in adapters/S
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -447,6 +448,40 @@ def test_offloaded_weights_keep_vllm_path(injected, vllm_env):
     assert layer.kda_projection is None and "UVAOffloader" in layer.kda_vllm_path_reason
 
 
+def test_projection_that_cannot_build_keeps_vllm_path_with_one_error(injected, vllm_env, kda_log, monkeypatch):
+    """Where building fails after the plan was shared (a kernel that does not compile, memory), the model still
+    loads: vLLM's path serves every layer, one error says why, the layer's reason points at it."""
+    from kda_vllm.layer import BUILD_FAILED
+
+    from kda_backend import serving
+
+    monkeypatch.setattr(serving, "KDAProjection", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("oom")))
+    layers = [_build_layer(vllm_env, seed=seed) for seed in range(2)]
+    assert all(layer.kda_projection is None and layer.kda_vllm_path_reason == BUILD_FAILED for layer in layers)
+    assert sum("could not build the KDA projection" in m and "RuntimeError: oom" in m
+               for m in kda_log.messages(logging.ERROR)) == 1
+    x = torch.randn(3, HIDDEN, dtype=torch.bfloat16)
+    with monkeypatch.context() as patch:
+        recorder = _Recorder()
+        patch.setattr(layers[0], "_forward", recorder)
+        layers[0].forward(x, torch.arange(3))
+    vllm_qkv = _vllm_projection(layers[0], x)[0][:, : 3 * layers[0].local_projection_size]
+    assert torch.equal(recorder.calls[-1]["mixed_qkv"], vllm_qkv)
+
+
+def test_projection_state_is_a_buffer_vllm_saves_across_sleep(injected, vllm_env, monkeypatch):
+    """vLLM's sleep level 2 drops the weights' memory (the projection's state was allocated there at load) and
+    restores the model's ``named_buffers()`` on wake-up: the projection's state (its arrival counters) is one of
+    them, once for all layers, and no checkpoint (``state_dict``) sees it."""
+    from kda_backend import KDAProjection
+
+    counters = torch.zeros(4, 8, dtype=torch.int32)
+    monkeypatch.setattr(KDAProjection, "state_buffers", lambda self: {"kda_arrival_counters": counters})
+    model = torch.nn.ModuleDict({str(seed): _build_layer(vllm_env, seed=seed) for seed in range(2)})
+    assert [name for name, t in model.named_buffers() if t is counters] == ["0.kda_arrival_counters"]
+    assert not any("kda_arrival_counters" in key for key in model.state_dict())
+
+
 def test_vllm_overlap_branch_is_dead_where_we_serve_and_untouched_where_vllm_serves(injected, vllm_env, monkeypatch):
     """The model hands every KDA layer its aux stream and events. Where kda-backend serves, the projection forks onto
     that stream itself: vLLM's overlap branch never runs (no second fork) and vLLM's warm-up tunes nothing for it.
@@ -500,9 +535,9 @@ def test_graph_token_counts_include_vllms_speculative_rounding(injected, vllm_en
     plain = vllm_layer.graph_token_counts(SimpleNamespace(compilation_config=compilation, speculative_config=None))
     assert plain == [1, 2, 4, 8, 16, 24, 32]
     handed = []
-    build = vllm_layer.build_projection
-    monkeypatch.setattr(vllm_layer, "build_projection",
-                        lambda weights, **kwargs: handed.append(kwargs["batch_sizes"]) or build(weights, **kwargs))
+    serve = vllm_layer.serve_layer
+    monkeypatch.setattr(vllm_layer, "serve_layer", lambda layer, weights, **kwargs: handed.append(
+        kwargs["batch_sizes"]) or serve(layer, weights, **kwargs))
     layer = _build_layer(vllm_env)
     assert layer.kda_projection is not None
     assert handed == [vllm_layer.graph_token_counts(vllm_env)]
