@@ -332,6 +332,26 @@ def test_failing_trailing_side_chain_falls_back_with_one_warning(kda_log):
     assert len([m for m in kda_log.messages() if "disabled" in m]) == 1
 
 
+class _NoTrailing(_Trailer):
+    name = "notrail"
+
+    def trailing_launcher(self, calls):
+        raise RuntimeError("trail does not build")
+
+
+def test_trailing_side_chain_that_does_not_build_leaves_the_provider_serving_its_gemms(kda_log):
+    """A trailing form that cannot be built costs only that form (one warning): the provider still serves the
+    step's GEMMs, the side chain after QKVG."""
+    provider = _NoTrailing()
+    register_plugin(_Plugin(provider), provider.name)
+    proj = KDAProjection(_weights(TINY), Plan.uniform(8, Step(overlap=True)))
+    _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
+    assert proj.stage(4).trailing is None and dispatch.broken_reason(provider.name) is None
+    assert provider.calls == ["qkvg", "fab", "fb"]
+    assert kda_log.messages() == ["'notrail''s side chain trailing QKVG at M=4 not built (RuntimeError: trail does "
+                                  "not build); without a fork the step runs its GEMMs one after another"]
+
+
 def _whole_stage_on_cpu(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1):
     """What a provider's one-launch or fused stage computes, with torch: qkvg, F_A/beta, then F_B from f_a."""
     torch.mm(x, w_qkvg.t(), out=qkvg)
