@@ -348,8 +348,8 @@ def test_trailing_side_chain_that_does_not_build_leaves_the_provider_serving_its
     _check_against_reference(proj, torch.randn(4, TINY.hidden_size).bfloat16())
     assert proj.stage(4).trailing is None and dispatch.broken_reason(provider.name) is None
     assert provider.calls == ["qkvg", "fab", "fb"]
-    assert kda_log.messages() == ["'notrail''s side chain trailing QKVG at M=4 not built (RuntimeError: trail does "
-                                  "not build); without a fork the step runs its GEMMs one after another"]
+    assert kda_log.messages() == ["provider 'notrail': the side chain trailing QKVG at M=4 not built (RuntimeError: "
+                                  "trail does not build); without a fork the step runs its GEMMs one after another"]
 
 
 def _whole_stage_on_cpu(x, w_qkvg, qkvg, w_fab, fab, w_fb, g1):
