@@ -324,8 +324,9 @@ class KDAProjection:
                 return None, None, None
             return provider, provider.trailing_launcher(calls), provider.stage_launcher(calls)
         except Exception as exc:  # a plugin's provider may fail in any way; its GEMMs then run one after another
-            warn_once(f"trailing-{provider.name}-{m}", f"provider {provider.name!r}: the side chain trailing QKVG at M={m} "
-                      f"not built ({type(exc).__name__}: {exc}); without a fork the step runs its GEMMs one after another")
+            warn_once(f"trailing-{provider.name}-{m}", f"provider {provider.name!r}: the side chain trailing QKVG at "
+                      f"M={m} not built ({type(exc).__name__}: {exc}); without a fork the step runs its GEMMs one "
+                      "after another")
             return None, None, None
 
     def _recover(self, failed: LaunchFailed, m: int) -> None:
