@@ -3,8 +3,8 @@
 ``ENV_VARS`` is the documented table (README.md renders the same rows, :func:`markdown_rows`; a test keeps the two
 equal). Values are read where they are used, so tests and engines can change them at run time: most on every call,
 ``KDA_BACKEND_LOG_LEVEL`` when the logger is set up and ``KDA_BACKEND_BLOCK_PLUGINS`` when the plugin manager is
-built. A value outside what a variable accepts raises :class:`EnvError` naming the variable, the value and what is accepted; a
-``KDA_BACKEND_*`` name that is not in the table (a misspelt variable) is warned about once.
+built. A value outside what a variable accepts raises :class:`EnvError` naming the variable, the value and what
+is accepted; a ``KDA_BACKEND_*`` name that is not in the table (a misspelt variable) is warned about once.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "KDA_BACKEND_PLAN",
         "",
-        "Force the projection plan: `sequential` or `overlap` (every M up to 256), or the path of a plan JSON file written "
-        "by `kda-backend autotune` for this GPU and geometry (another GPU, TP size or dtype is an error).",
+        "Force the projection plan: `sequential` or `overlap` (every M up to 256), or the path of a plan JSON file "
+        "written by `kda-backend autotune` for this GPU and geometry (another GPU, TP size or dtype is an error).",
     ),
     EnvVar(
         "KDA_BACKEND_AUTOTUNE",
