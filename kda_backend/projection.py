@@ -23,7 +23,7 @@ from kda_backend.geometry import KDAGeometry
 from kda_backend.kernels.arrival_counters import arrival_counters
 from kda_backend.log import info_once, warn_once
 from kda_backend.overlap import fork_while_capturing
-from kda_backend.plan import AUTO, Plan
+from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan
 from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, StageLauncher, TrailingLauncher
 from kda_backend.stages import FusedStage, Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
 from kda_backend.weights import ProjectionWeights
@@ -59,6 +59,7 @@ class KDAProjection:
         self.plan = plan or Plan()
         self.aux_stream = aux_stream
         self._chosen: dict[tuple[str, int], GemmProvider] = {}
+        self._serves: dict[int, bool] = {}
         # M -> (the stage, the packed single-GEMM stage where one serves calls without output buffers).
         self._stages: dict[int, tuple[SequentialStage | FusedStage, PackedStage | None]] = {}
 
@@ -162,10 +163,16 @@ class KDAProjection:
         return {} if arena is None else {"kda_arrival_counters": arena}
 
     def serves(self, m: int) -> bool:
-        """Whether the plan has a step for ``m`` tokens (:meth:`~kda_backend.plan.Plan.covers`). An engine adapter
-        keeps the engine's own path where it has none (no tuned plan, or M above the largest tuned one): the plan was
-        never measured against it there. A standalone call runs the plan's fallback."""
-        return self.plan.covers(m)
+        """Whether the plan has a step of kda-backend's own for ``m`` tokens: one it covers (:meth:`Plan.covers`)
+        other than sequential cuBLAS, the baseline every step was measured against. An engine adapter keeps the
+        engine's own path elsewhere: no tuned plan, M above the largest tuned one, or a sequential cuBLAS step,
+        where the engine's own path runs the same GEMMs or faster ones (vLLM: its packed GEMM and F_B, or its
+        low-latency overlap; SGLang: its GEMMs over its split weights, or its overlap). A standalone call runs the
+        plan's step or its fallback."""
+        served = self._serves.get(m)
+        if served is None:  # asked on every engine forward: once per M
+            served = self._serves[m] = self.plan.covers(m) and self.plan.step(m) != SEQUENTIAL_TORCH
+        return served
 
     def stage(self, m: int) -> SequentialStage | FusedStage:
         """The stage serving ``m`` tokens (built and compiled on first use)."""

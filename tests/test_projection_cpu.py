@@ -618,6 +618,16 @@ def test_serve_layer_keeps_the_projections_state_as_non_persistent_buffers(monke
     assert not any("kda_arrival_counters" in key for key in model.state_dict())
 
 
+def test_serves_only_the_plans_own_steps():
+    """An engine keeps its own path where the plan has no step of its own: none tuned at or above M, or sequential
+    cuBLAS (tuned there, or borrowed from the next larger tuned M), the baseline the engine's path matches."""
+    from kda_backend.plan import SEQUENTIAL_TORCH
+
+    plan = Plan(steps={4: Step(overlap=True), 8: SEQUENTIAL_TORCH, 16: Step(overlap=False)}, source="autotune")
+    proj = KDAProjection(_weights(TINY), plan)
+    assert [m for m in range(1, 20) if proj.serves(m)] == [1, 2, 3, 4, 9, 10, 11, 12, 13, 14, 15, 16]
+
+
 def test_state_buffers_are_empty_off_cuda():
     assert KDAProjection(_weights(TINY)).state_buffers() == {}
 

@@ -87,14 +87,16 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         info_once("vllm-serves", "vLLM: Kimi-K3 KDA layers use kda-backend's projection stage")
         # Where the plan serves every M vLLM's overlap branch would take, that branch never runs for this layer; a
         # zero token limit also makes vLLM's warm-up skip tuning its overlap kernels for it. Elsewhere (no tuned
-        # plan, or one tuned below vLLM's limit) vLLM's path, its overlap included, stays exactly as vLLM set it up.
+        # plan, one tuned below vLLM's limit, or sequential cuBLAS at some M there) vLLM's path, its overlap
+        # included, stays exactly as vLLM set it up.
         limit = self._projection_overlap_max_tokens
         if limit > 0:
             from vllm.models.kimi_k3.nvidia import low_latency_gemm
 
             # The model's init sets the limit to its smallest configs' reach; vLLM's warm-up (autotune_kda_qkvg)
             # raises every positive one to the limit its forward then runs with.
-            if self.kda_projection.serves(max(limit, low_latency_gemm.KDA_PROJECTION_OVERLAP_MAX_TOKENS)):
+            reach = max(limit, low_latency_gemm.KDA_PROJECTION_OVERLAP_MAX_TOKENS)
+            if all(self.kda_projection.serves(m) for m in range(1, reach + 1)):
                 self._projection_overlap_max_tokens = 0
 
     def _why_vllm_path(self) -> str | None:
@@ -130,7 +132,7 @@ class KdaBackendKimiK3DeltaAttention(KimiK3DeltaAttention):
         if projection is None:
             warn_once(f"vllm-path-{self.kda_vllm_path_reason}", f"vLLM path kept: {self.kda_vllm_path_reason}")
             return super().forward(hidden_states, positions)
-        if not projection.serves(num_tokens):  # no tuned step for this M (the plan's resolution said so once)
+        if not projection.serves(num_tokens):  # no step of ours for this M (see KDAProjection.serves)
             return super().forward(hidden_states, positions)
         qkvg, g1, beta = projection(hidden_states)
         mixed_qkv, g_proj_states = qkvg.split([3 * self.local_projection_size, self.local_projection_size], dim=-1)

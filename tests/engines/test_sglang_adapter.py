@@ -539,28 +539,34 @@ def test_deterministic_inference_keeps_sglang_method(kda_log):
     assert any("--enable-deterministic-inference" in m for m in kda_log.messages())
 
 
-@pytest.mark.parametrize("tuned_up_to", [0, 8], ids=["no-plan", "plan-to-8"])
-def test_batch_sizes_the_plan_has_no_step_for_run_sglangs_method(kda_backend_selected, tuned_up_to, monkeypatch):
-    """Where the plan has no step for M (no tuned plan, or M above its largest tuned one) SGLang's own method
-    serves; where it has one, the projection does."""
+@pytest.mark.parametrize("case", ["no-plan", "plan-to-8", "sequential-cublas-at-8"])
+def test_batch_sizes_the_plan_has_no_step_for_run_sglangs_method(kda_backend_selected, case, monkeypatch):
+    """Where the plan has no step of its own for M (no tuned plan, M above its largest tuned one, or sequential
+    cuBLAS there, which SGLang's own GEMMs or overlap match or beat) SGLang's own method serves; where it has one,
+    the projection does."""
     from kda_backend import serving
     from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 
-    plan = (Plan.uniform(tuned_up_to, Step(overlap=False), source="autotune") if tuned_up_to
-            else Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH))
+    plan, served = {
+        "no-plan": (Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH), []),
+        "plan-to-8": (Plan.uniform(8, Step(overlap=False), source="autotune"), [4, 8]),
+        "sequential-cublas-at-8": (Plan(steps={4: Step(overlap=False), 8: SEQUENTIAL_TORCH, 16: Step(overlap=False)},
+                                        source="autotune"), [4, 16]),
+    }[case]
     monkeypatch.setattr(serving, "resolve_plan", lambda *args, **kwargs: plan)
     recorder = _Recorder()
     register_plugin(recorder, recorder.name)
     layer = _build_layer(seed=5)
     assert layer._kda_projection is not None
-    plan = dataclasses.replace(plan, steps={m: dataclasses.replace(step, qkvg="recorder", fab="recorder",
-                                                                   fb="recorder") for m, step in plan.steps.items()})
+    # The plan's own steps run on the recorder (its sequential cuBLAS step stays the baseline).
+    plan = dataclasses.replace(plan, steps={m: step if step == SEQUENTIAL_TORCH else dataclasses.replace(
+        step, qkvg="recorder", fab="recorder", fb="recorder") for m, step in plan.steps.items()})
     layer._kda_projection.plan = plan
     for m in (4, 8, 16):
         recorder.calls.clear()
         x = torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(m)).bfloat16()
         _assert_same_outputs(layer.forward_qkvbfg_fused(x), _sglang_method(layer, x, False), f"M={m}")
-        assert bool(recorder.calls) == (m <= tuned_up_to), f"M={m}"
+        assert bool(recorder.calls) == (m in served), f"M={m}"
 
 
 def test_fork_follows_sglang_gate_in_capture_mode_and_breakable_graphs():

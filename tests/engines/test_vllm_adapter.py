@@ -553,18 +553,32 @@ def test_batch_invariant_mode_keeps_vllm_path(injected, vllm_env, monkeypatch):
     assert layer.kda_projection is None and "VLLM_BATCH_INVARIANT" in layer.kda_vllm_path_reason
 
 
-@pytest.mark.parametrize("tuned_up_to", [0, 8], ids=["no-plan", "plan-to-8"])
-def test_batch_sizes_the_plan_has_no_step_for_run_vllms_own_path(injected, vllm_env, tuned_up_to, monkeypatch):
-    """Where the plan has no step for M (no tuned plan, or M above its largest tuned one) the layer's forward is
-    vLLM's own, its overlap limit left as vLLM set it (its warm-up then raises it to the limit its forward runs
-    with); where the plan has one, the projection serves."""
+def _plan_case(case):
+    """A plan without a step of its own at some of M = 4, 8, 16, and the M it serves there."""
+    from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
+
+    if case == "no-plan":
+        return Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH), []
+    if case == "plan-to-8":
+        return Plan.uniform(8, Step(overlap=False), source="autotune"), [4, 8]
+    # The autotuner kept sequential cuBLAS (the baseline) at M = 8: the engine's path is that or faster there.
+    steps = {4: Step(overlap=False), 8: SEQUENTIAL_TORCH, 16: Step(overlap=False)}
+    return Plan(steps=steps, source="autotune", fallback=SEQUENTIAL_TORCH), [4, 16]
+
+
+PLAN_CASES = ["no-plan", "plan-to-8", "sequential-cublas-at-8"]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_batch_sizes_the_plan_has_no_step_for_run_vllms_own_path(injected, vllm_env, case, monkeypatch):
+    """Where the plan has no step of its own for M (no tuned plan, M above its largest tuned one, or sequential
+    cuBLAS there) the layer's forward is vLLM's own, its overlap limit left as vLLM set it (its warm-up then raises
+    it to the limit its forward runs with); where the plan has one, the projection serves."""
     from vllm.models.kimi_k3.nvidia import low_latency_gemm
 
     from kda_backend import serving
-    from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 
-    plan = (Plan.uniform(tuned_up_to, Step(overlap=False), source="autotune") if tuned_up_to
-            else Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH))
+    plan, expected = _plan_case(case)
     monkeypatch.setattr(serving, "resolve_plan", lambda *args, **kwargs: plan)
     layer = _construct(vllm_env)
     layer._projection_overlap_max_tokens = _init_overlap_limit()
@@ -587,7 +601,7 @@ def test_batch_sizes_the_plan_has_no_step_for_run_vllms_own_path(injected, vllm_
         layer.forward(x, torch.arange(m))
         vllm_qkv = _vllm_projection(layer, x)[0][:, : 3 * layer.local_projection_size]
         assert torch.equal(recorder.calls[-1]["mixed_qkv"], vllm_qkv), f"M={m}"
-    assert served == [m for m in (4, 8, 16) if m <= tuned_up_to]
+    assert served == expected
 
 
 # --- what the forward hands vLLM's _forward --------------------------------------------------------------------------
