@@ -97,7 +97,7 @@ def resolve_plan(
 def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]) -> Plan:
     from kda_backend.autotune import DEFAULT_MS
 
-    found = forced_plan(expected_key(geometry, device, dtype))
+    found, tuned = forced_plan(expected_key(geometry, device, dtype)), False
     if found is None and device.type != "cuda":
         # Every M up to the forced plans' bound, on the providers that serve a CPU (torch).
         return Plan.uniform(FORCED_MAX_M, Step(overlap=False), source="cpu")
@@ -108,7 +108,7 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
         if (found is None or missing) and env.flag("KDA_BACKEND_AUTOTUNE"):
             ms = sorted({*(found.steps if found else ()), *(m for m in sizes if m <= MAX_TUNED_M)}) or DEFAULT_MS
             get_logger().info("tuning the plan for %s tp%d at M = %s", key["device"], geometry.tp_size, spans(ms))
-            found = _tuned_or_kept(geometry, device, ms, key, found)
+            found, tuned = _tuned_or_kept(geometry, device, ms, key, found)
     if found is None:
         warn_once(
             f"no-plan-{geometry}",
@@ -118,16 +118,20 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
         )
         found = Plan(source="default (no tuned plan)", fallback=SEQUENTIAL_TORCH)
     plan = share(found)
+    if tuned and plan.steps:
+        # Every rank tuned on its own GPU; what every rank serves, and what the next start reads, is rank 0's plan:
+        # stored after the broadcast (the same file from every rank), never this rank's own.
+        _store(plan_store.device_key(geometry, device, dtype), plan)
     _report_coverage(plan, sizes)
     return plan
 
 
 def _tuned_or_kept(
     geometry: KDAGeometry, device: torch.device, ms: list[int], key: dict[str, Any], stored: Plan | None
-) -> Plan:
-    """The plan tuned now at ``ms``, stored. Where tuning fails (a GPU too full beside the engine's weights, a kernel
-    that does not build) ``stored``, or else no steps (the engine's own path), with one warning: a speed-up asked for
-    at load must not stop the engine loading its model."""
+) -> tuple[Plan, bool]:
+    """``(the plan tuned now at ms, True)``. Where tuning fails (a GPU too full beside the engine's weights, a kernel
+    that does not build) ``(stored, False)``, or else a plan with no steps (the engine's own path), with one
+    warning: a speed-up asked for at load must not stop the engine loading its model."""
     from kda_backend.autotune import autotune
 
     try:
@@ -140,12 +144,16 @@ def _tuned_or_kept(
                   f"tp{geometry.tp_size} failed ({type(exc).__name__}: {exc}); this rank falls back to {kept}, and "
                   "every TP rank serves rank 0's plan. Run `kda-backend autotune` on this GPU before serving: it "
                   "tunes without the engine's weights beside it")
-        return stored if stored is not None else Plan(source="default (tuning failed)", fallback=SEQUENTIAL_TORCH)
+        kept = stored if stored is not None else Plan(source="default (tuning failed)", fallback=SEQUENTIAL_TORCH)
+        return kept, False
+    return tuned, True
+
+
+def _store(key: dict[str, Any], plan: Plan) -> None:
     try:
-        get_logger().info("plan stored in %s", plan_store.save(key, tuned))
+        get_logger().info("plan stored in %s", plan_store.save(key, plan))
     except OSError as exc:  # a read-only cache folder: the tuned plan still serves this process
         warn_once(f"unstored-{key['device']}", f"{exc}; serving the tuned plan without storing it")
-    return tuned
 
 
 def _untuned(plan: Plan, sizes: tuple[int, ...]) -> list[int]:

@@ -243,6 +243,24 @@ def test_autotune_at_load_tunes_exactly_the_hosts_batch_sizes(fake_gpu, monkeypa
     assert again == plan and len(tuned) == 1
 
 
+def test_autotune_at_load_stores_the_plan_every_rank_serves(fake_gpu, monkeypatch):
+    """Each TP rank tunes on its own GPU, then serves rank 0's plan (the broadcast): that plan, not this rank's
+    own, is what it stores for the next start."""
+    key, _ = fake_gpu
+    rank0 = Plan(steps={m: SEQUENTIAL_TORCH for m in (1, 8)} | {16: Step(overlap=True, fused=True)},
+                 source="autotune on rank 0", fallback=SEQUENTIAL_TORCH)
+
+    class Broadcast:
+        @hookimpl
+        def kda_share_plan(self, plan):
+            return rank0.to_document()
+
+    register_plugin(Broadcast(), "broadcast")
+    monkeypatch.setenv("KDA_BACKEND_AUTOTUNE", "1")
+    plan = resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 8, 16])
+    assert plan == rank0 and plan_store.load(key) == rank0
+
+
 def test_autotune_at_load_leaves_the_hosts_random_state_as_it_was(fake_gpu, monkeypatch):
     """Tuning draws random weights; an engine's random state (its sampling, seeded before the model loads) is the
     same after planning as before it."""
