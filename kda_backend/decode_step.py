@@ -41,7 +41,7 @@ class DecodeStepTimer:
         """Median seconds per layer of the decode step of ``m`` sequences (one token each) under ``plan``."""
         g = self.geometry
         for layer in self.layers:
-            layer.use_plan(plan)
+            layer.use_plan(plan, for_tuning=True)  # forked where a graph captures it, as decode graphs run it
             layer.projection.prepare([m])
         states = [layer.new_state(m) for layer in self.layers]
         xs = [torch.randn(m, 1, g.hidden_size, device=self.device, dtype=torch.bfloat16) for _ in self.layers]

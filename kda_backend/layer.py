@@ -54,9 +54,15 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_proj = nn.Parameter(weights.w_o.clone(), **frozen)
         self.use_plan(plan)
 
-    def use_plan(self, plan: Plan | None) -> None:
-        """Run the projection stage by ``plan`` from now on (``None``: sequential, automatic providers)."""
-        self.projection = KDAProjection(ProjectionWeights.from_packed(self.in_proj, self.f_b, self.geometry), plan)
+    def use_plan(self, plan: Plan | None, for_tuning: bool = False) -> None:
+        """Run the projection stage by ``plan`` from now on (``None``: sequential, automatic providers).
+
+        :param for_tuning: the layer is timed in CUDA graphs as the autotuner times stages
+            (:class:`KDAProjection`'s ``for_tuning``): overlapped steps fork exactly while a graph is captured,
+            whatever the host engine answers (SGLang allows the fork only in its capture mode, not at load).
+        """
+        weights = ProjectionWeights.from_packed(self.in_proj, self.f_b, self.geometry)
+        self.projection = KDAProjection(weights, plan, for_tuning=for_tuning)
 
     def layer_weights(self) -> KDALayerWeights:
         g = self.geometry

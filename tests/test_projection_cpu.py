@@ -845,6 +845,18 @@ def test_layer_runs_the_plan_it_is_given():
     assert all(torch.equal(a, b) for a, b in zip(before, layer(x, *layer.new_state(4))))
 
 
+def test_decode_step_timer_times_the_forked_form_whatever_the_host_answers(monkeypatch):
+    """The decode-step check times overlapped steps forked inside its graphs, as decode graphs run them, also where
+    the host engine allows no fork at the time (SGLang at load): its layers' projections are the autotuner's kind."""
+    from kda_backend import decode_step
+
+    timed = []
+    monkeypatch.setattr(decode_step, "graph_time_per_layer", lambda run, layers: timed.append(run(0)) or 1e-6)
+    timer = decode_step.DecodeStepTimer(TINY, torch.device("cpu"), copies=2)
+    assert timer.seconds_per_layer(Plan.uniform(4, Step(overlap=True)), 4) == 1e-6
+    assert len(timed) == 1 and all(layer.projection.for_tuning for layer in timer.layers)
+
+
 @pytest.mark.parametrize(
     "native_us,fused_us,kept,line",
     [
