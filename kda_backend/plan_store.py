@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import kda_backend
+from kda_backend.cache_files import publish, remove_stale_temps
 from kda_backend.geometry import KDAGeometry
 from kda_backend.log import warn_once
 from kda_backend.plan import Plan, PlanError, json_type, require_object
@@ -41,8 +42,6 @@ FORMAT = 1
 FILE_FIELDS = ("format", "key", "plan", "tactics")
 # A writer holds the lock for one small JSON write (milliseconds); one held this long belongs to a stalled process.
 LOCK_TIMEOUT_S = 30.0
-# Temp files older than this belong to a writer that died mid-save (a live one replaces its file in milliseconds).
-STALE_TMP_S = 60.0
 
 
 def _dist_version(name: str) -> str | None:
@@ -118,15 +117,6 @@ def _locked(path: Path, timeout: float):
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def _remove_stale_temps(folder: Path) -> None:
-    """Delete the temp files of writers killed mid-save (older than :data:`STALE_TMP_S`)."""
-    now = time.time()
-    for tmp in folder.glob("plan-*.json*.tmp"):
-        with contextlib.suppress(FileNotFoundError):  # another writer removed it first
-            if now - tmp.stat().st_mtime > STALE_TMP_S:
-                tmp.unlink()
 
 
 def provider_names() -> set[str]:
@@ -216,7 +206,7 @@ def save(
         raise ValueError(f"cannot store plans in {path.parent}: {problem}")
     data = {"format": FORMAT, "key": key, **plan.to_document()}
     with _locked(path, lock_timeout):
-        _remove_stale_temps(path.parent)
+        remove_stale_temps(path.parent, "plan-*.json*.tmp")  # of writers killed mid-save
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         except OSError as exc:
@@ -225,7 +215,7 @@ def save(
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
+            publish(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

@@ -2,12 +2,15 @@
 
 import collections
 import dataclasses
+import importlib
 import inspect
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -475,6 +478,33 @@ def test_compiled_kernel_is_reused_from_disk(kernel_cache, monkeypatch):
     assert callable(fresh.get(key, kernel_cache)) and fresh.get(key) is fresh.get(key, kernel_cache)
 
 
+def test_compiled_kernels_on_disk_are_readable_by_every_user(kernel_cache):
+    """A cache a warm-up job (another user) filled serves the serving user: files are 0644, not mkstemp's 0600."""
+    from kda_backend.kernels import compile_cache
+
+    compile_cache.CompiledGemms().get(_small_key(), kernel_cache)
+    assert [stat.S_IMODE(f.stat().st_mode) for f in kernel_cache.iterdir()] == [0o644]
+
+
+def test_kernel_cache_folder_that_cannot_be_searched_compiles_instead(kernel_cache, monkeypatch, kda_log):
+    """A folder this process may not search (``Path.exists`` raises) costs a compile and one warning each way, not
+    the CuTe provider."""
+    from kda_backend.kernels import compile_cache
+
+    exists = Path.exists
+
+    def refused(path, *args, **kwargs):
+        if path.parent == kernel_cache:
+            raise PermissionError(13, "Permission denied", str(path))
+        return exists(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", refused)
+    assert compile_cache.CompiledGemms().get(_small_key(), kernel_cache) is not None
+    messages = kda_log.messages()
+    assert len(messages) == 2 and messages[0].startswith("ignoring unreadable compiled kernel")
+    assert messages[1].startswith(f"cannot write compiled kernels to {kernel_cache}: [Errno 13] Permission denied")
+
+
 def test_kernel_cache_without_folder_is_memory_only_until_given_one(kernel_cache):
     """No folder: nothing on disk. A kernel compiled so is stored once a folder is given, and loads from there."""
     from kda_backend.kernels import compile_cache
@@ -500,6 +530,8 @@ def test_provider_keeps_kernels_in_the_cache_folder_it_is_given(tmp_path, monkey
 
 
 def test_fingerprint_covers_key_and_toolchain(monkeypatch):
+    """The key and the code this process imported name a binary: a toolchain (or source) changed on disk after the
+    import does not rename what this process compiles, and it names what a new process compiles."""
     from kda_backend.kernels import compile_cache
 
     key = _small_key()
@@ -507,11 +539,14 @@ def test_fingerprint_covers_key_and_toolchain(monkeypatch):
     assert compile_cache.fingerprint(key) == first
     assert compile_cache.fingerprint(dataclasses.replace(key, arch="sm_100a")) != first
     assert compile_cache.fingerprint(dataclasses.replace(key, tactic=Tactic(block_n=16, stages=3))) != first
+    assert compile_cache._code_digest() == compile_cache.CODE_DIGEST
     monkeypatch.setattr(compile_cache.importlib.metadata, "version", lambda package: "0.0-other")
-    assert compile_cache.fingerprint(key) != first
+    assert compile_cache.fingerprint(key) == first and compile_cache._code_digest() != compile_cache.CODE_DIGEST
 
 
 def test_fingerprint_covers_every_module_the_kernel_traces():
+    """Every kernel module's own kda_backend.kernels imports (code or constants traced into the binary) are
+    fingerprinted, and the names skinny_gemm's kernels use come from fingerprinted modules."""
     from kda_backend.kernels import compile_cache, skinny_gemm
 
     traced = {
@@ -521,6 +556,12 @@ def test_fingerprint_covers_every_module_the_kernel_traces():
     }
     assert inspect.getsourcefile(skinny_gemm) in traced and len(traced) > 1
     assert traced <= set(compile_cache.KERNEL_SOURCES)
+    imported = {
+        inspect.getsourcefile(importlib.import_module(f"kda_backend.kernels.{name}"))
+        for source in compile_cache.KERNEL_SOURCES
+        for name in re.findall(r"^from kda_backend\.kernels\.(\w+) import", Path(source).read_text(), re.M)
+    }
+    assert imported and imported <= set(compile_cache.KERNEL_SOURCES)
 
 
 def test_unreadable_kernel_file_is_recompiled_with_one_warning(kernel_cache, kda_log):

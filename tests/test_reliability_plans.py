@@ -9,6 +9,7 @@ after writers that died. The README's reliability table lists these cases.
 import fcntl
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import torch
 from kda_backend import hookimpl, plan_store, register_plugin
 from kda_backend.geometry import preset
 from kda_backend.kernels.skinny_gemm import Tactic
+from kda_backend.cache_files import STALE_TMP_S
 from kda_backend.plan import SEQUENTIAL_TORCH, Plan, Step
 from kda_backend.planning import forced_plan, resolve_plan
 
@@ -259,6 +261,12 @@ def test_saving_into_a_read_only_folder_says_so(tmp_path):
                                  "folder this process may write (KDA_BACKEND_CACHE_DIR)")
 
 
+def test_stored_plans_are_readable_by_every_user(tmp_path):
+    """A plan a tuning job (another user) stored serves the serving user: 0644, not mkstemp's 0600."""
+    path = plan_store.save(KEY, PLAN, tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
 def test_saving_where_the_lock_cannot_be_created_says_so(tmp_path, monkeypatch):
     """What a read-only folder gives a writer, also where the tests run as root (who may write anywhere)."""
 
@@ -363,7 +371,7 @@ def test_temp_files_of_killed_writers_are_removed_at_the_next_save(tmp_path):
     foreign = tmp_path / "notes.tmp"
     for p in (stale, live, other, foreign):
         p.write_text("{")
-    old = time.time() - plan_store.STALE_TMP_S - 5
+    old = time.time() - STALE_TMP_S - 5
     for p in (stale, other, foreign):
         os.utime(p, (old, old))
     plan_store.save(KEY, PLAN, tmp_path)

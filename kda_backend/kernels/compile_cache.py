@@ -7,8 +7,10 @@ refused: :meth:`CompiledGemms.get` must have run for the key beforehand (``KDAPr
 
 Compiled kernels are cached in memory and, in a folder the caller passes (the provider's: ``<cache dir>/kernels``),
 on disk as ``<fingerprint>.o``, exported object files that load in milliseconds instead of compiling in seconds. The
-fingerprint covers the kernel source, the key and the toolchain versions, so a changed kernel or toolchain never
-loads a stale binary.
+fingerprint covers the kernel source and the toolchain versions as this process imported them, and the key, so a
+changed kernel or toolchain never loads a stale binary, and a process serving on while the package is upgraded
+under it never stores its binaries under the new code's name. The files are shared by every TP rank and user of
+the machine (:mod:`kda_backend.cache_files`); a folder this process may not read or write costs a compile.
 
 On a machine without a GPU, ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``) selects the target, so CI compiles every
 kernel for every architecture.
@@ -28,7 +30,16 @@ from typing import Any
 
 import torch
 
-from kda_backend.kernels import cluster_smem, l2_cache_policy, side_chain_gemm, skinny_gemm, wgmma_gemm, wgmma_stage
+from kda_backend.cache_files import publish, remove_stale_temps
+from kda_backend.kernels import (
+    arrival_counters,
+    cluster_smem,
+    l2_cache_policy,
+    side_chain_gemm,
+    skinny_gemm,
+    wgmma_gemm,
+    wgmma_stage,
+)
 from kda_backend.kernels.arrival_counters import CHAIN_COUNTERS
 from kda_backend.kernels.side_chain_gemm import SideChainGemm, StageGemm
 from kda_backend.kernels.skinny_gemm import NO_LINK, Link, SkinnyGemm, Tactic
@@ -234,23 +245,32 @@ def _compile_side_chain(key: SideChainKey | StageKey) -> Any:
 
 
 TOOLCHAIN_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
-# Every file whose code is traced into a compiled kernel, and this one (how it compiles).
+# Every file whose code or constants are traced into a compiled kernel, and this one (how it compiles).
 KERNEL_SOURCES = (skinny_gemm.__file__, wgmma_gemm.__file__, side_chain_gemm.__file__, wgmma_stage.__file__,
-                  l2_cache_policy.__file__, cluster_smem.__file__, __file__)
+                  l2_cache_policy.__file__, cluster_smem.__file__, arrival_counters.__file__, __file__)
 
 
-def fingerprint(key: KernelKey) -> str:
-    """Name of ``key``'s binary on disk: a hash of the kernel and compile sources, the key and the toolchain."""
+def _code_digest() -> bytes:
+    """The kernel and compile sources and the toolchain versions, read once, at import: a process that goes on
+    serving while the package is upgraded under it compiles the code it imported, and must name its binaries so."""
     digest = hashlib.sha256()
     for source in KERNEL_SOURCES:
         digest.update(Path(source).read_bytes())
-    digest.update(repr(key).encode())
     for package in TOOLCHAIN_PACKAGES:
         try:
             digest.update(f"{package}=={importlib.metadata.version(package)}".encode())
         except importlib.metadata.PackageNotFoundError:
             digest.update(f"{package} (no metadata)".encode())
-    return digest.hexdigest()[:32]
+    return digest.digest()
+
+
+CODE_DIGEST = _code_digest()
+
+
+def fingerprint(key: KernelKey) -> str:
+    """Name of ``key``'s binary on disk: a hash of the code this process imported (:data:`CODE_DIGEST`) and the
+    key."""
+    return hashlib.sha256(CODE_DIGEST + repr(key).encode()).hexdigest()[:32]
 
 
 def load_exported(path: Path, symbol: str) -> Any:
@@ -263,11 +283,12 @@ def load_exported(path: Path, symbol: str) -> Any:
 def export(kernel: Any, path: Path, symbol: str) -> None:
     """Write ``kernel`` as an object file at ``path`` atomically (concurrent ranks may export the same key)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path.parent, ".tmp-*.o")  # of exports killed midway
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".o")  # the DSL picks the format by suffix
     os.close(fd)
     try:
         kernel.export_to_c(tmp, function_name=symbol)
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -304,11 +325,11 @@ class CompiledGemms:
     def _load_or_compile(self, key: KernelKey, folder: Path | None) -> Any:
         if folder is not None:
             path = _object_file(key, folder)
-            if path.exists():
-                try:
+            try:
+                if path.exists():  # raises where the folder cannot be searched
                     return load_exported(path, path.stem)
-                except Exception as exc:  # a truncated or foreign file: recompile and overwrite it
-                    warn_once(f"kernel-load:{path}", f"ignoring unreadable compiled kernel {path}: {exc}")
+            except Exception as exc:  # a truncated or foreign file, a folder we may not read: compile instead
+                warn_once(f"kernel-load:{path}", f"ignoring unreadable compiled kernel {path}: {exc}")
         compiled = compile_gemm(key)
         with self._lock:
             self._compiled.setdefault(key, compiled)
@@ -322,9 +343,9 @@ class CompiledGemms:
 
     def _store(self, key: KernelKey, folder: Path, replace: bool) -> None:
         path = _object_file(key, folder)
-        if path.exists() and not replace:
-            return
         try:
+            if path.exists() and not replace:
+                return
             export(self._compiled[key], path, path.stem)
         except Exception as exc:  # a read-only cache only costs the next process a compile
             warn_once(f"kernel-export:{folder}", f"cannot write compiled kernels to {folder}: {exc}")
