@@ -587,11 +587,15 @@ def tune_plan(
 
 def _fused_wins_a_tie(results: list[tuple[float, Step]]) -> tuple[list[tuple[float, Step]], str]:
     """``(results, note)``: ``results`` without the steps faster than the fastest fused step where that one is within
-    :data:`FUSED_TIE` of the fastest step (sequential cuBLAS stays, for the margin it is weighed by), and a note naming
-    the fastest step it beat on the tie."""
+    :data:`FUSED_TIE` of the fastest step (sequential cuBLAS stays, for the margin it is weighed by) and clears that
+    margin itself (else the tie would hand the choice to sequential cuBLAS, which the fastest step beat), and a note
+    naming the fastest step it beat on the tie."""
     fastest_time, fastest = min(results, key=lambda r: r[0])
     fused = min(((t, s) for t, s in results if s.fused), key=lambda r: r[0], default=None)
+    native = next((t for t, s in results if s == SEQUENTIAL_TORCH), None)
     if fused is None or fused[1] == fastest or fused[0] > FUSED_TIE * fastest_time:
+        return results, ""
+    if native is not None and fused[0] * NATIVE_MARGIN > native:
         return results, ""
     kept = [(t, s) for t, s in results if t >= fused[0] or s == SEQUENTIAL_TORCH]
     return kept, f" (fused wins the tie with {_step_label(fastest)} {fastest_time * 1e6:.2f} us)"

@@ -863,13 +863,15 @@ def test_decode_step_timer_times_the_forked_form_whatever_the_host_answers(monke
         (2.0, 1.008, "fused", "M=16: fused:cute/cute 1.01 us (fused wins the tie with ovl:cute/cute 1.00 us) "
                               "(sequential cuBLAS 2.00 us)"),
         (2.0, 1.02, "overlap", "M=16: ovl:cute/cute 1.00 us (sequential cuBLAS 2.00 us)"),
-        (1.04, 1.008, "sequential", "M=16: seq:torch/torch 1.04 us (fastest fused:cute/cute 1.01 us, within 1.05x)"),
+        (1.04, 1.008, "sequential", "M=16: seq:torch/torch 1.04 us (fastest ovl:cute/cute 1.00 us, within 1.05x)"),
+        (1.056, 1.008, "overlap", "M=16: ovl:cute/cute 1.00 us (sequential cuBLAS 1.06 us)"),
     ],
-    ids=["tie", "no-tie", "tie-within-the-native-margin"],
+    ids=["tie", "no-tie", "tie-within-the-native-margin", "tie-that-would-lose-the-native-margin"],
 )
 def test_autotuner_keeps_a_fused_step_that_ties_with_the_fastest(monkeypatch, native_us, fused_us, kept, line):
     """A fused step within FUSED_TIE of the fastest step is kept (one launch with or without a fork); a slower one
-    is not, and a tie never lifts a step past sequential cuBLAS's margin."""
+    is not, a tie never lifts a step past sequential cuBLAS's margin, and one the fused step would lose there is
+    not taken (the fastest step, which clears the margin, is kept)."""
     from kda_backend import autotune
     from kda_backend.plan import SEQUENTIAL_TORCH
 
