@@ -47,6 +47,7 @@ def fake_flashinfer(monkeypatch):
         (dict(capability=(9, 0)), "compute capability (9, 0) not in SM (10,)"),
         (dict(dtype=torch.float16), "not bfloat16"),
         (dict(role="fb", n=1536, k=128, x_row_stride=144), "x row stride 144 != K=128"),
+        (dict(w_row_stride=7176), "weight row stride 7176 != K=7168"),
     ],
 )
 def test_rejections_name_reason(kw, match, fake_flashinfer):

@@ -29,6 +29,8 @@ class FlashInferProvider(GemmProvider):
             return reason
         if call.x_row_stride != call.k:
             return f"x row stride {call.x_row_stride} != K={call.k}: mm_bf16 needs contiguous activations"
+        if call.w_row_stride != call.k:
+            return f"weight row stride {call.w_row_stride} != K={call.k}: mm_bf16 needs a column-major w.T"
         if importlib.util.find_spec("flashinfer") is None:
             return "flashinfer is not installed"
         return None
