@@ -9,7 +9,7 @@ import kda_backend
 PACKAGE_DIR = Path(kda_backend.__file__).parent
 LOWER_LAYERS = ("kda_backend.kernels", "kda_backend.providers")
 # What the kernel and provider layers may import besides themselves.
-LOWER_LAYER_IMPORTS = ("kda_backend.log", "kda_backend.accuracy")
+LOWER_LAYER_IMPORTS = ("kda_backend.log", "kda_backend.accuracy", "kda_backend.cache_files")
 
 
 def _modules() -> dict[str, Path]:
