@@ -121,7 +121,7 @@ def _resolve(geometry: KDAGeometry, device: torch.device, dtype: torch.dtype, si
     if tuned and plan.steps:
         # Every rank tuned on its own GPU; what every rank serves, and what the next start reads, is rank 0's plan:
         # stored after the broadcast (the same file from every rank), never this rank's own.
-        _store(plan_store.device_key(geometry, device, dtype), plan)
+        _store(key, plan)
     _report_coverage(plan, sizes)
     return plan
 
