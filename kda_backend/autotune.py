@@ -285,8 +285,9 @@ def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic
     one-CTA rings of 128-row CTAs and of 128-element K-tiles, each with and without programmatic dependent launch
     (measured on H200 for Kimi-K3 TP8 at M = 32: 64-row CTAs 23.03 us without it and 24.18 with it, 128-row ones
     24.50 and 27.86; at TP4 64-row CTAs were faster with it), the tokens-on-M tactics
-    (:func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_tactics`) and the swap-AB one of fewer rows than an atom
-    (:func:`~kda_backend.kernels.wgmma_gemm.padded_rows_tactics`), at most :data:`WGMMA_CANDIDATES`."""
+    (:func:`~kda_backend.kernels.wgmma_gemm.tokens_on_m_tactics`), the swap-AB one of fewer rows than an atom
+    (:func:`~kda_backend.kernels.wgmma_gemm.padded_rows_tactics`) and the token tiles sharing weights in clusters
+    (:func:`~kda_backend.kernels.wgmma_gemm.weight_cluster_tactics`), at most :data:`WGMMA_CANDIDATES`."""
     default = default_wgmma_tactic(n, k, m)
     cands = wgmma_candidate_tactics(n, k, m, x_row_stride)
 
@@ -298,7 +299,7 @@ def wgmma_shortlist(n: int, k: int, m: int, x_row_stride: int) -> list[AnyTactic
     for tactic in deepest(128, 64):
         picks += [dataclasses.replace(tactic, pdl=False), tactic]
     picks += deepest(64, 128)
-    picks += [c for c in cands if c.tokens_on_m or c.padded_rows]
+    picks += [c for c in cands if c.tokens_on_m or c.padded_rows]  # weight clusters run tokens on M too
     return list(dict.fromkeys(picks))[:WGMMA_CANDIDATES]
 
 

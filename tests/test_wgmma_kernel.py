@@ -23,6 +23,7 @@ from kda_backend.kernels.wgmma_gemm import (
     wgmma_block_t_for,
     wgmma_candidate_tactics,
     wgmma_output_tiles,
+    weight_cluster_tactics,
 )
 
 K = 7168  # Kimi-K3 hidden size
@@ -34,6 +35,22 @@ def test_key_names_every_field():
     assert WgmmaTactic(128, 64, 32, 6, split_k=2).key() == "w128k64t32s6x2p"
     assert WgmmaTactic(64, 128, 256, 3, pdl=False).key() == "w64k128t256s3"
     assert WgmmaTactic(48, 64, 128, 8, tokens_on_m=True).key() == "w48k64t128s8mp"
+    assert WgmmaTactic(96, 64, 64, 11, tokens_on_m=True, weight_cluster=2).key() == "w96k64t64s11mc2p"
+
+
+def test_a_weight_cluster_splits_m_over_its_token_tiles_and_shares_whole_swizzle_atoms():
+    """Tokens-on-M CTAs of one row block in a cluster of 2 along the token tiles: the token tile is M split over
+    the cluster (a multiple of 8, at most 128), each CTA's barrier still counts the whole weight tile (both shares
+    land in every CTA) and its own tokens; shares are whole 8-row swizzle atoms, tokens on M only."""
+    tactic = WgmmaTactic(96, 64, 64, 11, tokens_on_m=True, weight_cluster=2)
+    assert [tactic.for_tokens(m).block_t for m in (8, 17, 72, 96, 128, 200, 256)] == [8, 16, 40, 48, 64, 104, 128]
+    assert tactic.stage_bytes() == (96 + 64) * 64 * 2 and tactic.ctas(QKVG_TP8, 128) == 128
+    assert tactic.ctas(QKVG_TP8, 64) == 128  # the cluster's second tile holds no token, yet launches
+    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
+    for change, reason in [({"weight_cluster": 4}, "weight_cluster=4 must be one of (1, 2)"),
+                           ({"block_n": 40}, "sharing block_n=40 rows in multiples of 8"),
+                           ({"tokens_on_m": False}, "weight_cluster=2: only tokens_on_m CTAs share weight tiles")]:
+        assert reason in validate_wgmma_tactic(dataclasses.replace(tactic, **change), QKVG_TP8, K, K)
 
 
 def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
@@ -165,9 +182,24 @@ def test_candidates_are_valid_and_include_default(n, m):
     assert 0 < len(candidates) <= 28 and len(set(candidates)) == len(candidates)
     for tactic in candidates:
         assert validate_wgmma_tactic(tactic, n, K, K) is None
-        assert tactic.block_t >= min(m, MAX_TOKEN_TILE)
+        assert tactic.block_t * tactic.weight_cluster >= min(m, MAX_TOKEN_TILE)  # one tile (or cluster) covers M
         if tactic.uses_workspace:
             assert wgmma_output_tiles(tactic, n, m) == output_tiles(tactic, n, m) <= SPLIT_K_COUNTERS
+
+
+@pytest.mark.parametrize("n,rows", [(QKVG_TP8, 96), (QKVG_TP4, 192), (3072, 48)])
+def test_weight_cluster_candidates_give_every_sm_one_cta_above_64_tokens(n, rows):
+    """Weight clusters from 65 tokens: twice the tokens-on-M rows per CTA, so the row blocks times the cluster's two
+    token tiles are about one CTA per SM (128 at TP 8, 4 and 16); the deepest ring and the deepest leaving room for
+    the side chain."""
+    assert weight_cluster_tactics(n, K, 64) == [] and weight_cluster_tactics(n, 7160, 128) == []
+    for m in (72, 128, 200, 256):
+        deep, roomy = weight_cluster_tactics(n, K, m)
+        assert (deep.block_n, deep.weight_cluster, deep.tokens_on_m, deep.pdl) == (rows, 2, True, True)
+        assert deep.ctas(n, m) == 128 and deep.block_t == -(-m // 16) * 8
+        assert validate_wgmma_tactic(deep, n, K, K) is None and not leaves_room(deep) and leaves_room(roomy)
+        assert roomy == dataclasses.replace(deep, stages=roomy.stages) and roomy.stages < deep.stages
+        assert deep in wgmma_candidate_tactics(n, K, m, K) and roomy in wgmma_candidate_tactics(n, K, m, K)
 
 
 @pytest.mark.parametrize("n,rows", [(QKVG_TP8, 48), (QKVG_TP4, 96), (3072, 24)])
@@ -224,6 +256,9 @@ COMPILE_CASES = [
     (WgmmaTactic(48, 64, 128, 9), QKVG_TP8),
     (WgmmaTactic(24, 64, 96, 10, pdl=False), 136),
     (WgmmaTactic(24, 64, 128, 9, split_k=2), FAB),
+    (WgmmaTactic(96, 64, 64, 11, tokens_on_m=True, weight_cluster=2), QKVG_TP8),
+    (WgmmaTactic(96, 64, 128, 7, tokens_on_m=True, weight_cluster=2, pdl=False), QKVG_TP4),
+    (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True, weight_cluster=2), 136),
 ]
 
 
@@ -300,8 +335,20 @@ def test_tokens_on_m_matches_reference_with_partial_row_blocks(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 17, 72, 100, 128, 200, 256], ids=lambda m: f"M{m}")
+def test_weight_clusters_match_reference_with_partial_row_blocks(m):
+    """Token tiles in clusters of 2 sharing every weight tile by multicast: each CTA's rows land in both; a tile
+    past M (M = 8: one 8-token tile, the cluster's second CTA loads no real token) stores nothing; rows past N (136
+    rows in 48-row blocks, shares of 24) are never stored; relaunches are bit-identical."""
+    _check(WgmmaTactic(96, 64, 64, 11, tokens_on_m=True, weight_cluster=2).for_tokens(m), m, QKVG_TP8, seed=m)
+    _check(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True, weight_cluster=2, pdl=False).for_tokens(m), m, 136, seed=m)
+    _check(WgmmaTactic(96, 64, 32, 8, tokens_on_m=True, weight_cluster=2), m, QKVG_TP4, seed=m)  # 4+ tiles along y
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
                                     WgmmaTactic(48, 64, 104, 8, tokens_on_m=True),
+                                    WgmmaTactic(96, 64, 56, 11, tokens_on_m=True, weight_cluster=2),
                                     WgmmaTactic(24, 64, 104, 9, split_k=2)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):

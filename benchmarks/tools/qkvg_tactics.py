@@ -31,6 +31,7 @@ from stage_operands import (
 )
 
 from kda_backend.accuracy import output_error
+from kda_backend.kernels.tactics import validate_any
 from kda_backend.kernels.wgmma_gemm import WgmmaTactic
 from kda_backend.kernels.wgmma_stage import STAGE_COUNTERS, WgmmaStage, compile_stage, validate_stage
 from kda_backend.timing import copy_bandwidth, graph_time_per_layer
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
         tactics = [tactic_or_default(None, "qkvg", g, m)]
         tactics += [parse_tactic(spec, m) for spec in args.qkvg.split(",")]
         for t_qkvg in tactics:
+            reason = validate_any(t_qkvg, g.qkvg_rows, g.hidden_size, g.hidden_size)
+            if reason is not None:
+                print(f"M={m:2} {t_qkvg.key():20} skipped: {reason}", flush=True)
+                continue
 
             def qkvg(i, t_qkvg=t_qkvg):
                 ops.qkvg_gemm(t_qkvg, i)

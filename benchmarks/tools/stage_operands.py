@@ -27,13 +27,14 @@ from kda_backend.timing import LAYERS, graph_time_per_layer
 from kda_backend.weights import ProjectionWeights
 
 TACTIC_KEY = re.compile(r"n(\d+)k(\d+)s(\d+)(?:x(\d+))?(p?)(L?)(T?)(B?)")
-WGMMA_KEY = re.compile(r"w(\d+)k(\d+)(?:t(\d+))?s(\d+)(?:x(\d+))?(m?)(p?)")
+WGMMA_KEY = re.compile(r"w(\d+)k(\d+)(?:t(\d+))?s(\d+)(?:x(\d+))?(m?)(?:c(\d+))?(p?)")
 TACTIC_HELP = (
     "tactic keys whose token tile follows M: n<rows>k<block_k>s<stages>[x<split>][p][L][T][B] for the "
     "mma.sync kernel, e.g. n48k256s4p = 48 weight rows per CTA, 256-element K-tiles, 4 stages, PDL; x14 = split-K "
     "14, L = activations through L1, T = by TMA, B = by bulk copies; w<rows>k<block_k>[t<tokens>]s<stages>[x<split>]"
-    "[m][p] for the wgmma kernel (QKVG on Hopper), e.g. w64k64s9p = 64 weight rows per CTA, 64-element K-tiles, 9 "
-    "stages, PDL; m = tokens on the MMA's M side; t64 = 64-token tiles along grid y instead of the tile covering M"
+    "[m][c<cluster>][p] for the wgmma kernel (QKVG on Hopper), e.g. w64k64s9p = 64 weight rows per CTA, 64-element "
+    "K-tiles, 9 stages, PDL; m = tokens on the MMA's M side; c2 = with m, token tiles in clusters of 2 sharing the "
+    "weight tiles by multicast; t64 = 64-token tiles along grid y instead of the tile covering M"
 )
 
 
@@ -42,14 +43,14 @@ def parse_tactic(spec: str, m: int) -> AnyTactic:
     (``t<tokens>``, the rest of M along grid y)."""
     wgmma = WGMMA_KEY.fullmatch(spec)
     if wgmma is not None:
-        rows, block_k, block_t, stages, split, tokens_on_m, pdl = wgmma.groups()
+        rows, block_k, block_t, stages, split, tokens_on_m, cluster, pdl = wgmma.groups()
         tactic = WgmmaTactic(int(rows), int(block_k), int(block_t or 64), int(stages), int(split or 1),
-                             tokens_on_m == "m", pdl == "p")
+                             tokens_on_m == "m", pdl == "p", int(cluster or 1))
         return tactic if block_t else tactic.for_tokens(m)
     match = TACTIC_KEY.fullmatch(spec)
     if match is None:
         raise SystemExit(f"tactic {spec!r} does not read as n<rows>k<block_k>s<stages>[x<split>][p][L][T][B] or "
-                         "w<rows>k<block_k>[t<tokens>]s<stages>[x<split>][m][p]")
+                         "w<rows>k<block_k>[t<tokens>]s<stages>[x<split>][m][c<cluster>][p]")
     rows, block_k, stages, split, pdl, l1, tma, bulk = match.groups()
     return Tactic(
         block_n=int(rows), block_k=int(block_k), block_t=block_t_for(m), stages=int(stages), pdl=pdl == "p",

@@ -82,6 +82,9 @@ MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two 
 # Padded-rows CTAs split K in a cluster of this many (split_k), each loading half the activations and issuing half
 # the MMAs: the fused stage's F_A/beta above 64 tokens (see wgmma_stage.split_side_chain).
 CLUSTER_SPLIT_K = 2
+# Tokens-on-M CTAs of one row block and neighbouring token tiles may share every weight tile in a cluster of this many
+# (WgmmaTactic.weight_cluster), each loading its share of the tile's rows by TMA multicast into both.
+WEIGHT_CLUSTERS = (1, 2)
 # The autotuner's tokens_on_m candidates stop here: at M = 96 / 128 they took QKVG alone 26.71 / 29.82 us at best
 # against 26.31 / 28.42 for swap-AB 64-row CTAs (H200, Kimi-K3 TP 8, benchmarks/results/levers/wgmma-tokens-on-m.log).
 TOKENS_ON_M_CANDIDATES_UP_TO = 64
@@ -128,6 +131,12 @@ class WgmmaTactic(SplitKSchedule):
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
+    :param weight_cluster: with ``tokens_on_m``, the CTAs of one row block and this many neighbouring token tiles
+        (grid y) run as one thread-block cluster that shares every weight tile: each loads ``1 / weight_cluster``
+        of the tile's rows by TMA multicast into every CTA of it, so L2 serves each weight byte once per cluster,
+        not once per token tile, and the weights cannot leave L2 (evict-first) before the second tile reads them.
+        A slot is refilled once the consumers of every CTA of the cluster freed it. The token tile is then M split
+        over the cluster (:meth:`for_tokens`).
     """
 
     family: ClassVar[str] = "wgmma"
@@ -139,6 +148,7 @@ class WgmmaTactic(SplitKSchedule):
     split_k: int = 1
     tokens_on_m: bool = False
     pdl: bool = True
+    weight_cluster: int = 1
 
     @property
     def padded_rows(self) -> bool:
@@ -160,6 +170,12 @@ class WgmmaTactic(SplitKSchedule):
     def uses_workspace(self) -> bool:
         """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
         return self.split_k > 1 and not self.in_cluster
+
+    def ctas(self, n: int, m: int) -> int:
+        """CTAs of one launch: a weight cluster's token tiles come in whole clusters."""
+        token_tiles = -(-m // self.block_t)
+        token_tiles = -(-token_tiles // self.weight_cluster) * self.weight_cluster
+        return row_blocks(n, self.block_n) * token_tiles * self.split_k
 
     def staging_stride(self) -> int:
         """Elements from one token to the next in the bf16 output tile staged in shared memory: the MMA's rows, 8 more
@@ -222,12 +238,17 @@ class WgmmaTactic(SplitKSchedule):
     def key(self) -> str:
         split = f"x{self.split_k}" if self.split_k > 1 else ""
         order = "m" if self.tokens_on_m else ""
-        return f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{'p' if self.pdl else ''}"
+        cluster = f"c{self.weight_cluster}" if self.weight_cluster > 1 else ""
+        return (f"w{self.block_n}k{self.block_k}t{self.block_t}s{self.stages}{split}{order}{cluster}"
+                f"{'p' if self.pdl else ''}")
 
     def for_tokens(self, m: int) -> WgmmaTactic:
         """This tactic with the token tile that runs ``m`` tokens: the smallest covering one (with ``tokens_on_m``
-        ``m`` rounded up to a multiple of 8)."""
-        block_t = min(-(-m // 8) * 8, MAX_TOKENS_ON_M) if self.tokens_on_m else wgmma_block_t_for(m)
+        ``m`` rounded up to a multiple of 8; with a weight cluster, the smallest whose cluster covers ``m``)."""
+        if self.tokens_on_m:
+            block_t = min(-(-m // (8 * self.weight_cluster)) * 8, MAX_TOKENS_ON_M)
+        else:
+            block_t = wgmma_block_t_for(m)
         return self if block_t == self.block_t else dataclasses.replace(self, block_t=block_t)
 
 
@@ -245,6 +266,11 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
+        if t.weight_cluster not in WEIGHT_CLUSTERS or t.block_n % (BOX_ROWS * t.weight_cluster):
+            return (f"weight_cluster={t.weight_cluster} must be one of {WEIGHT_CLUSTERS}, sharing block_n={t.block_n} "
+                    f"rows in multiples of {BOX_ROWS}")
+    elif t.weight_cluster != 1:
+        return f"weight_cluster={t.weight_cluster}: only tokens_on_m CTAs share weight tiles (1 otherwise)"
     elif t.padded_rows:
         if t.block_n % 8 or t.block_n < 8:
             return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
@@ -364,10 +390,26 @@ def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [dataclasses.replace(probe, stages=stages)] if stages >= 2 else []
 
 
+def weight_cluster_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
+    """The tokens-on-M tactics whose token tiles share weight tiles in clusters of 2
+    (:attr:`WgmmaTactic.weight_cluster`), worth timing above :data:`TOKENS_ON_M_CANDIDATES_UP_TO` tokens: twice
+    :func:`tokens_on_m_rows` rows per CTA (row blocks times the cluster's two token tiles give every SM about one
+    CTA), with PDL, in the deepest ring one CTA per SM allows (at most 12 K-tiles) and the deepest that
+    :func:`leaves_room` for the side chain; none where the rows exceed the MMA's N or 64-element K-tiles do not
+    divide K."""
+    rows = 2 * tokens_on_m_rows(n)
+    if m <= TOKENS_ON_M_CANDIDATES_UP_TO or k % 64 or rows > MAX_TOKEN_TILE:
+        return []
+    probe = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True, weight_cluster=2).for_tokens(m)
+    deepest = min(MAX_DEFAULT_STAGES, max_stages(rows, 64, probe.block_t, 1, tokens_on_m=True))
+    roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
+    return [dataclasses.replace(probe, stages=stages) for stages in dict.fromkeys((deepest, roomy)) if stages >= 2]
+
+
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
     size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
-    and :func:`tokens_on_m_tactics` and :func:`padded_rows_tactics`."""
+    and :func:`tokens_on_m_tactics`, :func:`padded_rows_tactics` and :func:`weight_cluster_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -379,7 +421,8 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    for tactic in [default, *tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m)]:
+    extra = [*tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m), *weight_cluster_tactics(n, k, m)]
+    for tactic in [default, *extra]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
     return found
@@ -457,12 +500,19 @@ class WgmmaGemm:
     def _w_boxes(self, dtype, s_w_layout):
         """``(w_box, s_w_box_layout)``: the weights' TMA box and the ring as those boxes fill it: one box per tile
         (``s_w_layout``, the weight ring's layout, itself), or where :attr:`WgmmaTactic.padded_rows` boxes of 8 rows,
-        box j of slot s rows 8j .. 8j + 7 of that slot's 64-row tile (one 128-byte swizzle atom each)."""
+        box j of slot s rows 8j .. 8j + 7 of that slot's 64-row tile (one 128-byte swizzle atom each); in a weight
+        cluster of c CTAs boxes of ``block_n / c`` rows, box j of slot s the tile's j-th share (whole swizzle atoms,
+        so the boxes lie in the tile exactly as its rows do)."""
         t = self.tactic
         if t.padded_rows:
             return (BOX_ROWS, t.block_k), hopper_helpers.make_smem_layout_a(
                 LayoutEnum.ROW_MAJOR, (BOX_ROWS, t.block_t, t.block_k), dtype,
                 t.stages * t.mma_rows // BOX_ROWS,
+            )
+        if t.weight_cluster > 1:
+            share = t.block_n // t.weight_cluster
+            return (share, t.block_k), hopper_helpers.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, (t.mma_tokens, share, t.block_k), dtype, t.stages * t.weight_cluster,
             )
         return (t.block_n, t.block_k), s_w_layout
 
@@ -472,7 +522,10 @@ class WgmmaGemm:
         call from the tensors, so x's covers this call's M (rows past it read as 0)."""
         tiled_mma, s_w_layout, s_x_layout, x_box, s_x_box_layout = self._operand_layouts(m_w.element_type)
         w_box, s_w_box_layout = self._w_boxes(m_w.element_type, s_w_layout)
-        w_tma, w_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_w, s_w_box_layout, w_box)
+        # In a weight cluster each share is one multicast into every CTA of it (the atom itself does not split it).
+        t = self.tactic
+        w_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if t.weight_cluster > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        w_tma, w_src = cpasync.make_tiled_tma_atom(w_op, m_w, s_w_box_layout, w_box)
         x_tma, x_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, s_x_box_layout, x_box)
         return w_tma, w_src, x_tma, x_src, s_w_layout, s_x_layout, s_x_box_layout, tiled_mma
 
@@ -500,12 +553,19 @@ class WgmmaGemm:
         m_out_t = cute.make_tensor(m_out.iterator, cute.select(m_out.layout, mode=[1, 0]))
         if cutlass.const_expr(m_work is not None):
             m_work = cute.make_tensor(m_work.iterator, cute.select(m_work.layout, mode=[2, 1, 0]))
-        grid = (row_blocks(self.n, t.block_n), cute.ceil_div(m_x.shape[0], t.block_t), t.split_k)
+        # A weight cluster's token tiles come in whole clusters: tiles past M load no real token and store nothing.
+        token_tiles = cute.ceil_div(cute.ceil_div(m_x.shape[0], t.block_t), t.weight_cluster) * t.weight_cluster
+        grid = (row_blocks(self.n, t.block_n), token_tiles, t.split_k)
+        cluster = None
+        if cutlass.const_expr(t.in_cluster):
+            cluster = [1, 1, t.split_k]
+        elif cutlass.const_expr(t.weight_cluster > 1):
+            cluster = [1, t.weight_cluster, 1]
         self.kernel(
             w_tma, w_src, x_tma, x_src, m_out_t, m_work, m_arrivals, s_w_layout, s_x_layout, s_x_box_layout,
             tiled_mma,
-        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=[1, 1, t.split_k] if t.in_cluster else None,
-                 smem=t.smem_bytes(), stream=stream, use_pdl=t.pdl)
+        ).launch(grid=grid, block=[t.threads, 1, 1], cluster=cluster, smem=t.smem_bytes(), stream=stream,
+                 use_pdl=t.pdl)
 
     @cute.kernel
     def kernel(
@@ -565,14 +625,19 @@ class WgmmaGemm:
         s_x_box = cute.make_tensor(cute.recast_ptr(ring + w_elems, s_x_box_layout.inner, dtype=dtype),
                                    s_x_box_layout.outer)
 
-        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane).
+        # One arrive per consumer warp frees a slot (PipelineTmaAsync signals from each warp's first lane); in a
+        # weight cluster lane r of every consumer warp arrives on CTA r's barrier, so a slot is free once the
+        # consumers of every CTA the producers multicast into have freed it. create() syncs the cluster after
+        # initialising the barriers, before any multicast can land.
+        cluster = t.weight_cluster
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.consumer_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cluster * t.consumer_threads // 32),
             tx_count=t.stage_bytes(),
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, cluster, 1)),
+            mcast_mode_mn=(1, 0) if cluster > 1 else (1, 1),
         )
         return mainloop, s_w, s_x, s_x_box
 
@@ -585,7 +650,7 @@ class WgmmaGemm:
         k_tiles = self.k // t.block_k // t.split_k
         k_first = bidz * k_tiles  # this CTA's K-tiles: [k_first, k_first + k_tiles)
         s_w_box = s_w
-        if cutlass.const_expr(t.padded_rows):  # the weight ring as its 8-row boxes fill it
+        if cutlass.const_expr(t.padded_rows or t.weight_cluster > 1):  # the weight ring as its boxes fill it
             _, s_w_box_layout = self._w_boxes(m_out_t.element_type, None)
             s_w_box = cute.make_tensor(cute.recast_ptr(ring, s_w_box_layout.inner, dtype=m_out_t.element_type),
                                        s_w_box_layout.outer)
@@ -627,6 +692,8 @@ class WgmmaGemm:
         t = self.tactic
         if cutlass.const_expr(t.padded_rows):
             g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
+        elif cutlass.const_expr(t.weight_cluster > 1):
+            g_w = cute.local_tile(w_src, (t.block_n // t.weight_cluster, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
         if cutlass.const_expr(t.tokens_on_m):
@@ -644,8 +711,9 @@ class WgmmaGemm:
     @cute.jit
     def _produce(self, mainloop, w_tma, t_gw, t_sw, x_tma, t_gx, t_sx, row_block, token_tile, k_first,
                  k_tiles: cutlass.Constexpr[int]):
-        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it.
-        The TMA copies elect their issuing lane themselves; the whole warp runs this."""
+        """The producer warp: fill the ring with this CTA's K-tiles in order, each slot once its consumers freed it
+        (in a weight cluster: the consumers of every CTA of it). The TMA copies elect their issuing lane themselves;
+        the whole warp runs this."""
         t = self.tactic
         cpasync.prefetch_descriptor(w_tma)
         cpasync.prefetch_descriptor(x_tma)
@@ -656,7 +724,8 @@ class WgmmaGemm:
         # slot's barrier expects both tiles' bytes, so it completes once the activations land too.
         for s in cutlass.range_constexpr(prologue):
             mainloop.producer_acquire(state)  # the ring starts empty: no wait
-            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + s, s, mainloop.producer_get_barrier(state), w_policy)
+            self._load_w(w_tma, t_gw, t_sw, row_block, token_tile, k_first + s, s, mainloop.producer_get_barrier(state),
+                         w_policy)
             state.advance()
         if cutlass.const_expr(t.pdl):
             cute.arch.griddepcontrol_wait()
@@ -668,14 +737,25 @@ class WgmmaGemm:
         for k in cutlass.range(prologue, k_tiles, unroll=1):
             mainloop.producer_acquire(state)
             bar = mainloop.producer_get_barrier(state)
-            self._load_w(w_tma, t_gw, t_sw, row_block, k_first + k, state.index, bar, w_policy)
+            self._load_w(w_tma, t_gw, t_sw, row_block, token_tile, k_first + k, state.index, bar, w_policy)
             self._load_x(x_tma, t_gx, t_sx, token_tile, k_first + k, state.index, bar, x_policy)
             state.advance()
+        if cutlass.const_expr(t.weight_cluster > 1):
+            # The CTA stays until the cluster's consumers freed its slots: they arrive on its barriers remotely.
+            mainloop.producer_tail(state)
 
-    def _load_w(self, w_tma, t_gw, t_sw, row_block, k, slot, bar, policy) -> None:
+    def _load_w(self, w_tma, t_gw, t_sw, row_block, token_tile, k, slot, bar, policy) -> None:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
-        :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows."""
+        :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows; in a weight cluster the share of the
+        CTA's rank (its token tile's place in the cluster), multicast into every CTA of the cluster."""
         t = self.tactic
+        if cutlass.const_expr(t.weight_cluster > 1):
+            rank = token_tile % t.weight_cluster  # the cluster runs along the token tiles (grid y)
+            everyone = cutlass.Int16((1 << t.weight_cluster) - 1)
+            cute.copy(w_tma, t_gw[None, row_block * t.weight_cluster + rank, k],
+                      t_sw[None, slot * t.weight_cluster + rank], tma_bar_ptr=bar, mcast_mask=everyone,
+                      cache_policy=policy)
+            return
         boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
         _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
 
@@ -710,6 +790,8 @@ class WgmmaGemm:
             mainloop.consumer_release(release)
             release.advance()
         warpgroup.wait_group(0)
+        if cutlass.const_expr(t.weight_cluster > 1):
+            mainloop.consumer_release(release)  # the cluster's producers wait for every slot before they exit
         return acc
 
     @cute.jit

@@ -157,8 +157,9 @@ class StagePlan:
 def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
                sms: int = SMS) -> StagePlan | str:
     """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the fused stage."""
-    if not (tactic.tokens_on_m or tactic.padded_rows) or tactic.split_k != 1:
-        return f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m or padded-rows tactic"
+    if not (tactic.tokens_on_m or tactic.padded_rows) or tactic.split_k != 1 or tactic.weight_cluster != 1:
+        return (f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m or padded-rows tactic without a "
+                "weight cluster")
     qkvg_ctas = row_blocks(qkvg_rows, tactic.block_n)
     side = sms - qkvg_ctas
     if side < 1:
