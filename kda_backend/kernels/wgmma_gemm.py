@@ -11,9 +11,10 @@ the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs str
 128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored. Under swap-AB a CTA
 may as well own fewer rows than the 64-row atom (:attr:`WgmmaTactic.padded_rows`): the weights arrive in boxes of 8
 rows and the atom's padding rows are never loaded, never stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one
-warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Such a CTA may also
-split K with its pair in a thread-block cluster of :data:`CLUSTER_SPLIT_K` (half the MMAs and activations each):
-the fused stage's F_A/beta does (:mod:`kda_backend.kernels.wgmma_stage`).
+warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Either kind of CTA may
+also split K with its pair in a thread-block cluster of :data:`CLUSTER_SPLIT_K` (half the MMAs and activations each):
+the fused stage's F_A/beta does (:mod:`kda_backend.kernels.wgmma_stage`), and tokens-on-M CTAs of twice the rows
+over all of M (:func:`k_split_tokens_on_m_tactics`).
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -129,11 +130,12 @@ class WgmmaTactic(SplitKSchedule):
     :param split_k: CTAs sharing one output tile along K (grid z), for N too small to give every SM a row block.
         Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
         counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
-        With :attr:`padded_rows` the tile's CTAs form one thread-block cluster instead (:attr:`in_cluster`): each
-        stages its partial in its drained ring and sums its share of the tile from every CTA's, in split order.
+        With :attr:`padded_rows` or :attr:`tokens_on_m` the tile's :data:`CLUSTER_SPLIT_K` CTAs form one thread-block
+        cluster instead (:attr:`in_cluster`): each stages its partial in its drained ring and sums its share of the
+        tile from every CTA's, in split order.
     :param tokens_on_m: the tokens fill the MMA's M side and the weight rows its N side, instead of swap-AB
-        (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
-        weights.
+        (64-element K-tiles; split-K only in a cluster). A CTA may then own fewer than 64 weight rows, so more CTAs
+        stream the weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
     :param weight_cluster: with ``tokens_on_m``, the CTAs of one row block and this many neighbouring token tiles
         (grid y) run as one thread-block cluster that shares every weight tile: each loads ``1 / weight_cluster``
@@ -168,8 +170,9 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def in_cluster(self) -> bool:
-        """Whether the split-K partials are summed in a thread-block cluster (padded rows), not a workspace."""
-        return self.split_k > 1 and self.padded_rows
+        """Whether the split-K partials are summed in a thread-block cluster (padded rows or tokens on M), not a
+        workspace."""
+        return self.split_k > 1 and (self.padded_rows or self.tokens_on_m)
 
     @property
     def uses_workspace(self) -> bool:
@@ -269,8 +272,11 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKENS_ON_M} with tokens_on_m"
         if t.block_k != 64:
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
-        if t.split_k != 1:
-            return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
+        if t.split_k not in (1, CLUSTER_SPLIT_K):
+            return f"split_k={t.split_k}: tokens_on_m runs unsplit or split in a cluster of {CLUSTER_SPLIT_K}"
+        if t.split_k > 1 and t.weight_cluster > 1:
+            return (f"split_k={t.split_k} with weight_cluster={t.weight_cluster}: a CTA is in one cluster, along K or "
+                    f"along the token tiles")
         if t.weight_cluster not in WEIGHT_CLUSTERS or t.block_n % (BOX_ROWS * t.weight_cluster):
             return (f"weight_cluster={t.weight_cluster} must be one of {WEIGHT_CLUSTERS}, sharing block_n={t.block_n} "
                     f"rows in multiples of {BOX_ROWS}")
@@ -395,6 +401,14 @@ def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [dataclasses.replace(probe, stages=stages)] if stages >= 2 else []
 
 
+def _deepest_and_roomy(probe: WgmmaTactic) -> list[WgmmaTactic]:
+    """``probe`` in the deepest ring one CTA per SM allows (at most 12 K-tiles) and the deepest that
+    :func:`leaves_room` for the side chain (one of them where they agree; none below 2 slots)."""
+    deepest = min(MAX_DEFAULT_STAGES, max_stages(probe.block_n, 64, probe.block_t, 1, tokens_on_m=True))
+    roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
+    return [dataclasses.replace(probe, stages=stages) for stages in dict.fromkeys((deepest, roomy)) if stages >= 2]
+
+
 def weight_cluster_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     """The tokens-on-M tactics whose token tiles share weight tiles in clusters of 2
     (:attr:`WgmmaTactic.weight_cluster`), worth timing above :data:`TOKENS_ON_M_CANDIDATES_UP_TO` tokens: twice
@@ -405,16 +419,30 @@ def weight_cluster_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     rows = 2 * tokens_on_m_rows(n)
     if m <= TOKENS_ON_M_CANDIDATES_UP_TO or k % 64 or rows > MAX_TOKEN_TILE:
         return []
-    probe = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True, weight_cluster=2).for_tokens(m)
-    deepest = min(MAX_DEFAULT_STAGES, max_stages(rows, 64, probe.block_t, 1, tokens_on_m=True))
-    roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
-    return [dataclasses.replace(probe, stages=stages) for stages in dict.fromkeys((deepest, roomy)) if stages >= 2]
+    return _deepest_and_roomy(WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True, weight_cluster=2).for_tokens(m))
+
+
+def k_split_tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
+    """The tokens-on-M tactics that split K in a cluster of :data:`CLUSTER_SPLIT_K` (:attr:`WgmmaTactic.in_cluster`),
+    worth timing from :data:`TOKENS_ON_M_CANDIDATES_UP_TO` to :data:`MAX_TOKENS_ON_M` tokens: one token tile of all M
+    and twice :func:`tokens_on_m_rows` rows per CTA, so the row blocks times the two K-halves give every SM about one
+    CTA, which reads each activation K-tile with twice the rows of an unsplit one (L2 serves the SMs half the
+    activation bytes of :func:`weight_cluster_tactics`' tiles, the same weight bytes); with PDL, in the deepest ring
+    and the deepest leaving room for the side chain; none where the rows exceed the MMA's N, 64-element K-tiles do
+    not divide K or the K-tiles do not split evenly."""
+    rows = 2 * tokens_on_m_rows(n)
+    if not TOKENS_ON_M_CANDIDATES_UP_TO < m <= MAX_TOKENS_ON_M or k % 64 or (k // 64) % CLUSTER_SPLIT_K:
+        return []
+    if rows > MAX_TOKEN_TILE:
+        return []
+    return _deepest_and_roomy(WgmmaTactic(rows, 64, 64, 1, CLUSTER_SPLIT_K, tokens_on_m=True).for_tokens(m))
 
 
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
     size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
-    and :func:`tokens_on_m_tactics`, :func:`padded_rows_tactics` and :func:`weight_cluster_tactics`."""
+    and :func:`tokens_on_m_tactics`, :func:`padded_rows_tactics`, :func:`weight_cluster_tactics` and
+    :func:`k_split_tokens_on_m_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -426,7 +454,8 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    extra = [*tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m), *weight_cluster_tactics(n, k, m)]
+    extra = [*tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m), *weight_cluster_tactics(n, k, m),
+             *k_split_tokens_on_m_tactics(n, k, m)]
     for tactic in [default, *extra]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
@@ -831,7 +860,7 @@ class WgmmaGemm:
         self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
         s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
                                cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
-        thr_mma.partition_C(s_p).store(acc.load())
+        thr_mma.partition_C(self._mma_view(s_p)).store(acc.load())
         self._cluster_sync()
         vec = (ELEMS_PER_COPY, 1)
         v_g, v_c = cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
