@@ -9,7 +9,7 @@ from kda_backend.geometry import preset
 from kda_backend.kernels.compile_cache import FusedStageKey, compile_gemm
 from kda_backend.providers.base import GemmCall
 from kda_backend.providers.cute_provider import CuteDslProvider
-from kda_backend.kernels.wgmma_gemm import RING_OFFSET_BYTES, WgmmaTactic
+from kda_backend.kernels.wgmma_gemm import RING_OFFSET_BYTES, WgmmaTactic, validate_wgmma_tactic
 from kda_backend.kernels.wgmma_stage import (
     FUSED_MAX_M,
     FUSED_STAGES,
@@ -123,6 +123,10 @@ def test_the_swap_ab_stage_compiles_for_sm90a(m):
 def test_shapes_the_one_launch_stage_refuses():
     assert validate_stage(_tactic(48), *SHAPES) is None
     assert "unsplit tokens_on_m" in validate_stage(WgmmaTactic(64, 64, 64, 12), *SHAPES)
+    for clustered in (WgmmaTactic(96, 64, 64, 5, tokens_on_m=True, weight_cluster=2),  # QKVG's CTAs in clusters
+                      WgmmaTactic(96, 64, 128, 4, split_k=2, tokens_on_m=True)):
+        assert validate_wgmma_tactic(clustered, G.qkvg_rows, G.hidden_size, G.hidden_size) is None
+        assert "unsplit tokens_on_m or padded-rows tactic without a weight cluster" in validate_stage(clustered, *SHAPES)
     assert "leave none of 132 SMs" in validate_stage(WgmmaTactic(40, 64, 64, 8, tokens_on_m=True), *SHAPES)
     assert "F_B's 1544 rows do not split into 4 shares" in validate_stage(_tactic(48), G.qkvg_rows, G.fab_rows, 1544,
                                                                           G.hidden_size, G.head_dim)
