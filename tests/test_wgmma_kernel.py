@@ -16,7 +16,6 @@ from kda_backend.kernels.wgmma_gemm import (
     WgmmaGemm,
     WgmmaTactic,
     default_wgmma_tactic,
-    k_split_tokens_on_m_tactics,
     leaves_room,
     padded_rows_tactics,
     tokens_on_m_tactics,
@@ -204,21 +203,16 @@ def test_weight_cluster_candidates_give_every_sm_one_cta_above_64_tokens(n, rows
         assert deep in wgmma_candidate_tactics(n, K, m, K) and roomy in wgmma_candidate_tactics(n, K, m, K)
 
 
-@pytest.mark.parametrize("n,rows", [(QKVG_TP8, 96), (QKVG_TP4, 192), (3072, 48)])
-def test_k_split_candidates_give_every_sm_one_cta_from_65_to_128_tokens(n, rows):
-    """Tokens-on-M CTAs splitting K in clusters of 2 from 65 to 128 tokens: one token tile of all M and twice the
-    tokens-on-M rows, so the row blocks times the two K-halves are one CTA per SM (128 at TP 8, 4 and 16); each
-    stages its whole fp32 partial in its drained ring; the deepest ring and the deepest leaving room."""
-    assert k_split_tokens_on_m_tactics(n, K, 64) == k_split_tokens_on_m_tactics(n, K, 136) == []
-    assert k_split_tokens_on_m_tactics(n, 7160, 128) == k_split_tokens_on_m_tactics(n, 64 * 111, 128) == []
-    for m in (72, 100, 128):
-        deep, roomy = k_split_tokens_on_m_tactics(n, K, m)
-        assert (deep.block_n, deep.split_k, deep.tokens_on_m, deep.in_cluster, deep.pdl) == (rows, 2, True, True, True)
-        assert deep.ctas(n, m) == 128 and deep.block_t == -(-m // 8) * 8 and not deep.uses_workspace
-        assert deep.partial_bytes() == rows * 128 * 4 and deep.smem_bytes() >= 1024 + deep.partial_bytes()
-        assert validate_wgmma_tactic(deep, n, K, K) is None and not leaves_room(deep) and leaves_room(roomy)
-        assert roomy == dataclasses.replace(deep, stages=roomy.stages) and roomy.stages < deep.stages
-        assert deep in wgmma_candidate_tactics(n, K, m, K) and roomy in wgmma_candidate_tactics(n, K, m, K)
+def test_tokens_on_m_ctas_split_k_in_a_cluster_of_two():
+    """Tokens-on-M CTAs of twice the rows over all of M, splitting K in a cluster of 2: 128 CTAs for TP 8 QKVG at
+    M = 128, no workspace; each stages its whole fp32 partial (the MMA's rows by its 128 tokens) in its drained ring,
+    which the ring covers."""
+    tactic = WgmmaTactic(96, 64, 64, 8, split_k=2, tokens_on_m=True).for_tokens(128)
+    assert tactic.in_cluster and not tactic.uses_workspace and tactic.ctas(QKVG_TP8, 128) == 128
+    assert tactic.partial_bytes() == 96 * 128 * 4 and tactic.smem_bytes() == 1024 + 8 * (96 + 128) * 64 * 2
+    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
+    assert "split_k=2 must divide the 111 K-tiles" in validate_wgmma_tactic(tactic, QKVG_TP8, 64 * 111, 64 * 111)
+    assert not WgmmaTactic(96, 64, 128, 8, tokens_on_m=True).in_cluster
 
 
 @pytest.mark.parametrize("n,rows", [(QKVG_TP8, 48), (QKVG_TP4, 96), (3072, 24)])

@@ -13,8 +13,9 @@ may as well own fewer rows than the 64-row atom (:attr:`WgmmaTactic.padded_rows`
 rows and the atom's padding rows are never loaded, never stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one
 warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Either kind of CTA may
 also split K with its pair in a thread-block cluster of :data:`CLUSTER_SPLIT_K` (half the MMAs and activations each):
-the fused stage's F_A/beta does (:mod:`kda_backend.kernels.wgmma_stage`), and tokens-on-M CTAs of twice the rows
-over all of M (:func:`k_split_tokens_on_m_tactics`).
+the fused stage's F_A/beta does (:mod:`kda_backend.kernels.wgmma_stage`). Tokens-on-M CTAs of twice the rows
+over all of M split that way read each activation K-tile for twice the rows (Kimi-K3 TP 8 QKVG at M = 128: 128 CTAs
+of 96 rows by 128 tokens, each over half of K); not among the autotuner's candidates.
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -401,14 +402,6 @@ def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     return [dataclasses.replace(probe, stages=stages)] if stages >= 2 else []
 
 
-def _deepest_and_roomy(probe: WgmmaTactic) -> list[WgmmaTactic]:
-    """``probe`` in the deepest ring one CTA per SM allows (at most 12 K-tiles) and the deepest that
-    :func:`leaves_room` for the side chain (one of them where they agree; none below 2 slots)."""
-    deepest = min(MAX_DEFAULT_STAGES, max_stages(probe.block_n, 64, probe.block_t, 1, tokens_on_m=True))
-    roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
-    return [dataclasses.replace(probe, stages=stages) for stages in dict.fromkeys((deepest, roomy)) if stages >= 2]
-
-
 def weight_cluster_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     """The tokens-on-M tactics whose token tiles share weight tiles in clusters of 2
     (:attr:`WgmmaTactic.weight_cluster`), worth timing above :data:`TOKENS_ON_M_CANDIDATES_UP_TO` tokens: twice
@@ -419,30 +412,16 @@ def weight_cluster_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     rows = 2 * tokens_on_m_rows(n)
     if m <= TOKENS_ON_M_CANDIDATES_UP_TO or k % 64 or rows > MAX_TOKEN_TILE:
         return []
-    return _deepest_and_roomy(WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True, weight_cluster=2).for_tokens(m))
-
-
-def k_split_tokens_on_m_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
-    """The tokens-on-M tactics that split K in a cluster of :data:`CLUSTER_SPLIT_K` (:attr:`WgmmaTactic.in_cluster`),
-    worth timing from :data:`TOKENS_ON_M_CANDIDATES_UP_TO` to :data:`MAX_TOKENS_ON_M` tokens: one token tile of all M
-    and twice :func:`tokens_on_m_rows` rows per CTA, so the row blocks times the two K-halves give every SM about one
-    CTA, which reads each activation K-tile with twice the rows of an unsplit one (L2 serves the SMs half the
-    activation bytes of :func:`weight_cluster_tactics`' tiles, the same weight bytes); with PDL, in the deepest ring
-    and the deepest leaving room for the side chain; none where the rows exceed the MMA's N, 64-element K-tiles do
-    not divide K or the K-tiles do not split evenly."""
-    rows = 2 * tokens_on_m_rows(n)
-    if not TOKENS_ON_M_CANDIDATES_UP_TO < m <= MAX_TOKENS_ON_M or k % 64 or (k // 64) % CLUSTER_SPLIT_K:
-        return []
-    if rows > MAX_TOKEN_TILE:
-        return []
-    return _deepest_and_roomy(WgmmaTactic(rows, 64, 64, 1, CLUSTER_SPLIT_K, tokens_on_m=True).for_tokens(m))
+    probe = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True, weight_cluster=2).for_tokens(m)
+    deepest = min(MAX_DEFAULT_STAGES, max_stages(rows, 64, probe.block_t, 1, tokens_on_m=True))
+    roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
+    return [dataclasses.replace(probe, stages=stages) for stages in dict.fromkeys((deepest, roomy)) if stages >= 2]
 
 
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
     """Tactics worth timing for one GEMM (the autotuner's search space): the covering token tile, each row block
     size, the deepest ring for one and for two CTAs per SM, without split-K and with the split that fills the SMs;
-    and :func:`tokens_on_m_tactics`, :func:`padded_rows_tactics`, :func:`weight_cluster_tactics` and
-    :func:`k_split_tokens_on_m_tactics`."""
+    and :func:`tokens_on_m_tactics`, :func:`padded_rows_tactics` and :func:`weight_cluster_tactics`."""
     block_t = wgmma_block_t_for(m)
     found: list[WgmmaTactic] = []
     for block_n in (64, 128, 256):
@@ -454,8 +433,7 @@ def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[W
                     if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
                         found.append(tactic)
     default = default_wgmma_tactic(n, k, m)
-    extra = [*tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m), *weight_cluster_tactics(n, k, m),
-             *k_split_tokens_on_m_tactics(n, k, m)]
+    extra = [*tokens_on_m_tactics(n, k, m), *padded_rows_tactics(n, k, m), *weight_cluster_tactics(n, k, m)]
     for tactic in [default, *extra]:
         if tactic not in found and validate_wgmma_tactic(tactic, n, k, x_row_stride) is None:
             found.append(tactic)
