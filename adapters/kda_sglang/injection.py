@@ -29,13 +29,17 @@ FIRST_RESOLUTION_STEP = "handle_deprecated_dp_attention"
 RESOLUTION_SOURCE = "kda_backend"
 # Flags that share --attention-backend's choices, so they also parse `kda`; it is meaningful only as the base flag.
 SPLIT_BACKEND_FLAGS = ("prefill_attention_backend", "decode_attention_backend")
+# Why this process could not load the KDA layer subclass (set by install()): `kda` then still parses, and resolution
+# refuses it with this reason instead of serving SGLang's own projection silently.
+_layer_load_failure: str | None = None
 
 
 def kda_means_platform_default(server_args: Any, previous: Callable[[Any], None]) -> None:
     """Wraps SGLang's first resolution step: ``attention_backend="kda"`` is declared ``None`` (no backend given)
     before any step reads it, so SGLang resolves every full-attention setting as it would by default.
 
-    :raises ValueError: ``kda`` given to ``--prefill-attention-backend`` or ``--decode-attention-backend``.
+    :raises ValueError: ``kda`` given to ``--prefill-attention-backend`` or ``--decode-attention-backend``, or
+        to ``--attention-backend`` where :func:`install` could not load the KDA layer.
     """
     for name in SPLIT_BACKEND_FLAGS:
         if getattr(server_args, name) == BACKEND_NAME:
@@ -45,6 +49,12 @@ def kda_means_platform_default(server_args: Any, previous: Callable[[Any], None]
                 f"--attention-backend only; leave {flag} unset or name a full-attention backend"
             )
     if server_args.attention_backend == BACKEND_NAME:
+        if _layer_load_failure is not None:
+            raise ValueError(
+                f"--attention-backend {BACKEND_NAME}: kda-backend's KDA layer failed to load ({_layer_load_failure}; "
+                "the plugin error logged above has the traceback); fix the installation, or leave "
+                "--attention-backend unset to serve with SGLang's own projection"
+            )
         from sglang.srt.arg_groups.overrides import declare_resolution
 
         declare_resolution(server_args, RESOLUTION_SOURCE, attention_backend=None)
@@ -123,17 +133,25 @@ class SglangHost:
 
 
 def install() -> None:
-    """Idempotent: the CLI choice, the resolution step, the layer REPLACE and the host plugin."""
+    """Idempotent: the CLI choice, the resolution step, the layer REPLACE and the host plugin. The choice and the
+    resolution step come first: where the layer (SGLang's Kimi-K3 model module and the core) fails to import, the
+    error propagates to SGLang's plugin loader, which logs it, and ``--attention-backend kda`` still parses and is
+    refused at resolution with that reason (see :func:`kda_means_platform_default`), not as an invalid choice."""
+    global _layer_load_failure
     from sglang.srt.arg_groups import resolution_hooks
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from kda_sglang.layer import KdaBackendKimiK3DeltaAttention
 
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     if kda_means_platform_default not in resolution_hooks._HOOKS.get(FIRST_RESOLUTION_STEP, []):
         resolution_hooks.register_resolution_hook(FIRST_RESOLUTION_STEP)(kda_means_platform_default)
+    try:
+        from kda_sglang.layer import KdaBackendKimiK3DeltaAttention
+    except Exception as exc:
+        _layer_load_failure = f"{type(exc).__name__}: {exc}"
+        raise
+    _layer_load_failure = None
     if not any(hook is KdaBackendKimiK3DeltaAttention for _, hook, _ in HookRegistry._hooks.get(LAYER_TARGET, [])):
         HookRegistry.register(LAYER_TARGET, KdaBackendKimiK3DeltaAttention, HookType.REPLACE)
     register_plugin(SglangHost(), HOST_PLUGIN_NAME)

@@ -216,6 +216,42 @@ def test_sglang_cli_accepts_kda():
     assert "kda" in proc.stdout.split("--attention-backend", 1)[1].split("--", 1)[0]
 
 
+def test_a_layer_that_fails_to_load_leaves_kda_a_choice_and_sglang_its_layer():
+    """Where the KDA layer cannot be imported, SGLang's plugin loader logs the error and carries on: ``kda`` still
+    parses (the choice and the resolution step come before the layer), and SGLang's own layer stays in place."""
+    code = (
+        "import sys\n"
+        "sys.modules['kda_sglang.layer'] = None  # importing it now raises ImportError\n"
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "import sglang.srt.models.kimi_k3 as m\n"
+        "from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES\n"
+        "from kda_sglang import injection\n"
+        "print(m.KimiK3DeltaAttention.__name__, 'kda' in ATTENTION_BACKEND_CHOICES, injection._layer_load_failure)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "KimiK3DeltaAttention True ModuleNotFoundError: import of kda_sglang.layer halted" in proc.stdout, proc.stdout
+    assert "Failed to execute general plugin: kda_backend" in proc.stderr  # SGLang logged the import error
+
+
+def test_kda_is_refused_at_resolution_where_the_layer_failed_to_load(k3_model_path, monkeypatch):
+    """``--attention-backend kda`` after a failed layer import: resolution refuses it with the import's reason
+    instead of serving SGLang's own projection silently; no backend given resolves as always."""
+    from kda_sglang import injection
+
+    monkeypatch.setitem(sys.modules, "kda_sglang.layer", None)
+    with pytest.raises(ImportError, match="kda_sglang.layer"):
+        injection.install()
+    with pytest.raises(ValueError, match=r"--attention-backend kda: kda-backend's KDA layer failed to load "
+                                         r"\(ModuleNotFoundError: import of kda_sglang.layer halted"):
+        _resolve(k3_model_path, "sm90", ["--attention-backend", "kda"])
+    assert _resolve(k3_model_path, "sm90", []).resolved_dict()["attention_backend"] == "fa3"
+    monkeypatch.undo()
+    injection.install()  # the layer loads again: kda resolves as the platform's default
+    assert _resolve(k3_model_path, "sm90", ["--attention-backend", "kda"]).attention_backend == "kda"
+
+
 @pytest.mark.parametrize(
     "env,expect",
     [({"SGLANG_PLUGINS": "none-of-ours"}, False), ({"KDA_BACKEND_DISABLE": "1"}, False), ({}, True)],
