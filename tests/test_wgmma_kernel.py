@@ -206,10 +206,13 @@ def test_weight_cluster_candidates_give_every_sm_one_cta_above_64_tokens(n, rows
 def test_tokens_on_m_ctas_split_k_in_a_cluster_of_two():
     """Tokens-on-M CTAs of twice the rows over all of M, splitting K in a cluster of 2: 128 CTAs for TP 8 QKVG at
     M = 128, no workspace; each stages its whole fp32 partial (the MMA's rows by its 128 tokens) in its drained ring,
-    which the ring covers."""
+    which the ring covers, at a token stride of 8 (or 24) banks modulo 32 (swap-AB's partial keeps the MMA's rows)."""
     tactic = WgmmaTactic(96, 64, 64, 8, split_k=2, tokens_on_m=True).for_tokens(128)
     assert tactic.in_cluster and not tactic.uses_workspace and tactic.ctas(QKVG_TP8, 128) == 128
-    assert tactic.partial_bytes() == 96 * 128 * 4 and tactic.smem_bytes() == 1024 + 8 * (96 + 128) * 64 * 2
+    assert tactic.partial_bytes() == 104 * 128 * 4 and tactic.smem_bytes() == 1024 + 8 * (96 + 128) * 64 * 2
+    strides = [dataclasses.replace(tactic, block_n=rows).partial_stride() for rows in (40, 48, 56, 96, 192)]
+    assert strides == [40, 56, 56, 104, 200] and all(stride % 32 in (8, 24) for stride in strides)
+    assert WgmmaTactic(24, 64, 128, 9, split_k=2).partial_stride() == 64  # swap-AB: the 64-row atom
     assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
     assert "split_k=2 must divide the 111 K-tiles" in validate_wgmma_tactic(tactic, QKVG_TP8, 64 * 111, 64 * 111)
     assert not WgmmaTactic(96, 64, 128, 8, tokens_on_m=True).in_cluster

@@ -201,9 +201,19 @@ class WgmmaTactic(SplitKSchedule):
         """Shared memory of the staged bf16 output tile (:meth:`staging_stride` per token)."""
         return self.staging_stride() * self.mma_tokens * 2
 
+    def partial_stride(self) -> int:
+        """Floats from one token to the next in an in-cluster split's staged fp32 partial: the MMA's rows, 8 more with
+        ``tokens_on_m`` where those are a multiple of 16. A warp's fragment store there writes 8 consecutive floats
+        (weight rows) of 8 tokens; at a stride of 8 or 24 banks modulo 32 four tokens fill the 32 banks, so the
+        store takes 2 wavefronts, where a multiple of 32 (96 rows) puts all 8 in the same banks: 8 (by the bank
+        arithmetic, not profiled). Swap-AB's fragment spans 4 tokens of 8 rows each: there a stride of 68 floats
+        measured no faster than 64 (F_A/beta in the fused stage, RESULTS.md, levers), so it stays the MMA's rows."""
+        return self.mma_rows + 8 if self.tokens_on_m and self.mma_rows % 16 == 0 else self.mma_rows
+
     def partial_bytes(self) -> int:
-        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile (0 otherwise)."""
-        return self.mma_rows * self.mma_tokens * 4 if self.in_cluster else 0
+        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile at
+        :meth:`partial_stride` floats per token (0 otherwise)."""
+        return self.partial_stride() * self.mma_tokens * 4 if self.in_cluster else 0
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -837,7 +847,7 @@ class WgmmaGemm:
         t = self.tactic
         self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
         s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
-                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
+                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.partial_stride())))
         thr_mma.partition_C(self._mma_view(s_p)).store(acc.load())
         self._cluster_sync()
         vec = (ELEMS_PER_COPY, 1)
@@ -854,7 +864,7 @@ class WgmmaGemm:
             if v < share and i < vectors:
                 if self._in_bounds(v_c[(0, i)], m_tokens):
                     # Every split's loads are issued before the first add: one wait for the cluster, not split_k.
-                    base = s_p.iterator + (i % row_vectors) * ELEMS_PER_COPY + (i // row_vectors) * t.mma_rows
+                    base = s_p.iterator + (i % row_vectors) * ELEMS_PER_COPY + (i // row_vectors) * t.partial_stride()
                     parts = [load_peer_f32x4(base, split) + load_peer_f32x4(base + VECTOR_FLOATS, split)
                              for split in range(t.split_k)]
                     for e in cutlass.range_constexpr(ELEMS_PER_COPY):
