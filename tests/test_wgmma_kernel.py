@@ -56,7 +56,7 @@ def test_a_weight_cluster_splits_m_over_its_token_tiles_and_shares_whole_swizzle
 def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
     """Tokens on the MMA's M side: one consumer warpgroup per 64 tokens (the MMA pads the tile to them, in shared
     memory only), any multiple of 8 weight rows per CTA (48 rows: 128 CTAs for TP 8 QKVG), token tiles of M rounded
-    up to 8, at most 128; 64-element K-tiles, split-K only in a cluster of 2 and never beside a weight cluster."""
+    up to 8, at most 128; 64-element K-tiles and no split-K."""
     tactic = WgmmaTactic(48, 64, 64, 8, tokens_on_m=True)
     assert tactic.consumer_warpgroups == 1 and tactic.acc_registers() == 24 and tactic.ctas(QKVG_TP8, 64) == 128
     assert [tactic.for_tokens(m).block_t for m in (17, 64, 65, 128, 256)] == [24, 64, 72, 128, 128]
@@ -68,8 +68,7 @@ def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
     for change, reason in [({"block_t": 136}, "block_t=136 must be a multiple of 8 from 8 to 128"),
                            ({"block_n": 44}, "block_n=44 must be a multiple of 8"),
                            ({"block_k": 128}, "block_k=128: tokens_on_m loads 8-token boxes"),
-                           ({"split_k": 4}, "split_k=4: tokens_on_m runs unsplit or split in a cluster of 2"),
-                           ({"split_k": 2, "weight_cluster": 2}, "a CTA is in one cluster, along K or along the token")]:
+                           ({"split_k": 2}, "split_k=2: tokens_on_m runs unsplit")]:
         assert reason in validate_wgmma_tactic(dataclasses.replace(tactic, **change), QKVG_TP8, K, K)
     tactic = WgmmaTactic()
     assert tactic.with_activations_from_l2() is tactic and tactic.family == "wgmma"
@@ -203,21 +202,6 @@ def test_weight_cluster_candidates_give_every_sm_one_cta_above_64_tokens(n, rows
         assert deep in wgmma_candidate_tactics(n, K, m, K) and roomy in wgmma_candidate_tactics(n, K, m, K)
 
 
-def test_tokens_on_m_ctas_split_k_in_a_cluster_of_two():
-    """Tokens-on-M CTAs of twice the rows over all of M, splitting K in a cluster of 2: 128 CTAs for TP 8 QKVG at
-    M = 128, no workspace; each stages its whole fp32 partial (the MMA's rows by its 128 tokens) in its drained ring,
-    which the ring covers, at a token stride of 8 (or 24) banks modulo 32 (swap-AB's partial keeps the MMA's rows)."""
-    tactic = WgmmaTactic(96, 64, 64, 8, split_k=2, tokens_on_m=True).for_tokens(128)
-    assert tactic.in_cluster and not tactic.uses_workspace and tactic.ctas(QKVG_TP8, 128) == 128
-    assert tactic.partial_bytes() == 104 * 128 * 4 and tactic.smem_bytes() == 1024 + 8 * (96 + 128) * 64 * 2
-    strides = [dataclasses.replace(tactic, block_n=rows).partial_stride() for rows in (40, 48, 56, 96, 192)]
-    assert strides == [40, 56, 56, 104, 200] and all(stride % 32 in (8, 24) for stride in strides)
-    assert WgmmaTactic(24, 64, 128, 9, split_k=2).partial_stride() == 64  # swap-AB: the 64-row atom
-    assert validate_wgmma_tactic(tactic, QKVG_TP8, K, K) is None
-    assert "split_k=2 must divide the 111 K-tiles" in validate_wgmma_tactic(tactic, QKVG_TP8, 64 * 111, 64 * 111)
-    assert not WgmmaTactic(96, 64, 128, 8, tokens_on_m=True).in_cluster
-
-
 @pytest.mark.parametrize("n,rows", [(QKVG_TP8, 48), (QKVG_TP4, 96), (3072, 24)])
 def test_tokens_on_m_candidates_give_every_sm_a_row_block(n, rows):
     """Tokens-on-M candidates: the fewest rows per CTA that need at most one CTA per SM (128 CTAs for Kimi-K3's
@@ -275,9 +259,6 @@ COMPILE_CASES = [
     (WgmmaTactic(96, 64, 64, 11, tokens_on_m=True, weight_cluster=2), QKVG_TP8),
     (WgmmaTactic(96, 64, 128, 7, tokens_on_m=True, weight_cluster=2, pdl=False), QKVG_TP4),
     (WgmmaTactic(48, 64, 40, 8, tokens_on_m=True, weight_cluster=2), 136),
-    (WgmmaTactic(96, 64, 128, 8, split_k=2, tokens_on_m=True), QKVG_TP8),
-    (WgmmaTactic(192, 64, 96, 5, split_k=2, tokens_on_m=True, pdl=False), QKVG_TP4),
-    (WgmmaTactic(48, 64, 40, 8, split_k=2, tokens_on_m=True), 136),
 ]
 
 
@@ -365,21 +346,9 @@ def test_weight_clusters_match_reference_with_partial_row_blocks(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 72, 100, 128, 200], ids=lambda m: f"M{m}")
-def test_k_split_tokens_on_m_matches_reference_with_partial_row_blocks(m):
-    """Tokens-on-M CTAs splitting K in a cluster of 2, summed through distributed shared memory in split order:
-    padding tokens and rows past N (136 rows in 48-row blocks) are never stored; above 128 tokens (M = 200) two token
-    tiles of clusters; relaunches are bit-identical."""
-    _check(WgmmaTactic(96, 64, 64, 8, split_k=2, tokens_on_m=True).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(192, 64, 64, 5, split_k=2, tokens_on_m=True, pdl=False).for_tokens(m), m, QKVG_TP4, seed=m)
-    _check(WgmmaTactic(48, 64, 64, 8, split_k=2, tokens_on_m=True).for_tokens(m), m, 136, seed=m)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("tactic", [WgmmaTactic(128, 64, 48, 6), WgmmaTactic(64, 64, 128, 4, split_k=2),
                                     WgmmaTactic(48, 64, 104, 8, tokens_on_m=True),
                                     WgmmaTactic(96, 64, 56, 11, tokens_on_m=True, weight_cluster=2),
-                                    WgmmaTactic(96, 64, 104, 8, split_k=2, tokens_on_m=True),
                                     WgmmaTactic(24, 64, 104, 9, split_k=2)],
                          ids=lambda t: t.key())
 def test_graph_replay_equals_eager(tactic):

@@ -51,17 +51,6 @@ def _fused(m):
     return fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
 
 
-def _k_split(m):
-    """A tokens-on-M QKVG tactic of 96-row CTAs splitting K in clusters of 2 (128 CTAs at TP 8), the token tile
-    covering ``m``."""
-    return WgmmaTactic(96, 64, 64, 8, split_k=2, tokens_on_m=True).for_tokens(m)
-
-
-def _k_split_tp4(m):
-    """The same at TP 4: 192-row CTAs in 5 slots."""
-    return WgmmaTactic(192, 64, 64, 5, split_k=2, tokens_on_m=True).for_tokens(m)
-
-
 def _wide(m, stages=8):
     """A swap-AB QKVG tactic of 56-row CTAs (110 at TP 8, 22 SMs left to the side chain), the token tile covering
     ``m``."""
@@ -131,41 +120,18 @@ def test_the_swap_ab_stage_compiles_for_sm90a(m):
     assert compile_stage(WgmmaStage(_swap_ab(m), *SHAPES), "sm_90a") is not None
 
 
-@pytest.mark.parametrize(("tactic", "shapes", "fab_rows", "fb_rows"),
-                         [(_k_split, SHAPES, 72, 16), (_k_split_tp4, SHAPES4, 80, 24)])
-def test_qkvg_split_in_clusters_pairs_the_side_chain_too(tactic, shapes, fab_rows, fb_rows):
-    """Tokens-on-M QKVG splitting K in clusters of 2: 128 CTAs (64 row blocks) leave 4 SMs, 2 pairs that split
-    F_A/beta's K as clusters too (its row blocks one per pair); above 64 tokens F_B runs as an unsplit tail on QKVG's
-    CTAs, up to 64 tokens in passes on the side chain's; the launch's shared memory holds QKVG's staged partial."""
-    for m in (64, 128):
-        plan = plan_stage(tactic(m), *shapes)
-        assert (plan.side, plan.fab.block_n, plan.fab.split_k, plan.fab.in_cluster) == (4, fab_rows, 2, True)
-        assert plan.fb.split_k == 1 and not plan.fb.in_cluster and plan.fb_tail == (m > 64)
-        assert plan.fb_tail or plan.fb_passes >= 2
-        if plan.fb_tail:
-            assert plan.fb.block_n == fb_rows and plan.waiters(shapes[2]) <= 128
-        stage = WgmmaStage(tactic(m), *shapes)
-        assert stage.smem_bytes() >= plan.qkvg.smem_bytes() >= RING_OFFSET_BYTES + plan.qkvg.partial_bytes()
-
-
-@pytest.mark.parametrize(("m", "tactic"), [(128, _k_split), (64, _k_split), (96, _k_split_tp4)])
-def test_the_stage_with_qkvg_split_in_clusters_compiles_for_sm90a(m, tactic):
-    shapes = SHAPES4 if tactic is _k_split_tp4 else SHAPES
-    assert compile_stage(WgmmaStage(tactic(m), *shapes), "sm_90a") is not None
-
-
 def test_shapes_the_one_launch_stage_refuses():
     assert validate_stage(_tactic(48), *SHAPES) is None
     assert "unsplit tokens_on_m" in validate_stage(WgmmaTactic(64, 64, 64, 12), *SHAPES)
-    shared_weights = WgmmaTactic(96, 64, 64, 5, tokens_on_m=True, weight_cluster=2)  # token tiles in clusters
-    assert validate_wgmma_tactic(shared_weights, G.qkvg_rows, G.hidden_size, G.hidden_size) is None
-    assert "tactic without a weight cluster, or a tokens_on_m one split in" in validate_stage(shared_weights, *SHAPES)
-    assert "without a weight cluster" in validate_stage(WgmmaTactic(48, 64, 128, 5, split_k=2), *SHAPES)  # swap-AB
-    assert "leave 5 SMs, which do not pair into clusters" in validate_stage(_k_split(128), *SHAPES, sms=133)
-    assert "leave no side-chain CTA (or cluster) of 129 SMs" in validate_stage(_k_split(128), *SHAPES, sms=129)
+    for clustered in (WgmmaTactic(96, 64, 64, 5, tokens_on_m=True, weight_cluster=2),  # token tiles sharing weights
+                      WgmmaTactic(48, 64, 128, 5, split_k=2)):  # QKVG split along K in clusters
+        assert validate_wgmma_tactic(clustered, G.qkvg_rows, G.hidden_size, G.hidden_size) is None
+        reason = validate_stage(clustered, *SHAPES)
+        assert "the fused stage takes an unsplit tokens_on_m or padded-rows tactic without a weight cluster" in reason
+    # On more SMs than Kimi-K3's 40-row F_A/beta blocks cover, a side-chain CTA would own rows past F_A/beta's.
     assert "row blocks of 8 leave some of the 32 side-chain CTAs without rows" in validate_stage(_tactic(32), *SHAPES,
                                                                                                 sms=160)
-    assert "154 CTAs leave no side-chain CTA" in validate_stage(WgmmaTactic(40, 64, 64, 8, tokens_on_m=True), *SHAPES)
+    assert "leave none of 132 SMs" in validate_stage(WgmmaTactic(40, 64, 64, 8, tokens_on_m=True), *SHAPES)
     assert "F_B's 1544 rows do not split into 4 shares" in validate_stage(_tactic(48), G.qkvg_rows, G.fab_rows, 1544,
                                                                           G.hidden_size, G.head_dim)
     assert "F_B's 2 passes of 8 K-tiles need more" in validate_stage(_tactic(48), G.qkvg_rows, 528, G.local_width,
@@ -304,7 +270,7 @@ def _operands(m, seed, g=G):
 def _stage(tactic, m):
     """The compiled stage of ``tactic`` at ``m`` tokens, in TP 4's geometry for :func:`_tp4`, else TP 8's; and
     that geometry."""
-    g, shapes = (G4, SHAPES4) if tactic in (_tp4, _k_split_tp4) else (G, SHAPES)
+    g, shapes = (G4, SHAPES4) if tactic is _tp4 else (G, SHAPES)
     return compile_stage(WgmmaStage(tactic(m), *shapes), "sm_90a"), g
 
 
@@ -319,9 +285,7 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
                          + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)]
                          + [(m, _wide) for m in (65, 72, 100, 128)]
                          + [(m, _fused) for m in (136, 224)]
-                         + [(m, _tp4) for m in (17, 64, 65, 100, 128)]
-                         + [(m, _k_split) for m in (17, 64, 72, 100, 128)]
-                         + [(m, _k_split_tp4) for m in (64, 100, 128)])
+                         + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
     kernel, g = _stage(tactic, m)
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)
@@ -344,8 +308,7 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab), (128, _wide),
-                                           (256, _swap_ab), (224, _fused), (40, _tp4), (120, _tp4),
-                                           (128, _k_split), (96, _k_split_tp4)])
+                                           (256, _swap_ab), (224, _fused), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
     kernel, g = _stage(tactic, m)
     chain = torch.zeros(STAGE_COUNTERS, device="cuda", dtype=torch.int32)

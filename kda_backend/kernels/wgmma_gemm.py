@@ -11,11 +11,9 @@ the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs str
 128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored. Under swap-AB a CTA
 may as well own fewer rows than the 64-row atom (:attr:`WgmmaTactic.padded_rows`): the weights arrive in boxes of 8
 rows and the atom's padding rows are never loaded, never stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one
-warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Either kind of CTA may
-also split K with its pair in a thread-block cluster of :data:`CLUSTER_SPLIT_K` (half the MMAs and activations each):
-the fused stage's F_A/beta does (:mod:`kda_backend.kernels.wgmma_stage`). Tokens-on-M CTAs of twice the rows
-over all of M split that way read each activation K-tile for twice the rows (Kimi-K3 TP 8 QKVG at M = 128: 128 CTAs
-of 96 rows by 128 tokens, each over half of K); not among the autotuner's candidates.
+warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Such a CTA may also
+split K with its pair in a thread-block cluster of :data:`CLUSTER_SPLIT_K` (half the MMAs and activations each):
+the fused stage's F_A/beta does (:mod:`kda_backend.kernels.wgmma_stage`).
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -131,12 +129,11 @@ class WgmmaTactic(SplitKSchedule):
     :param split_k: CTAs sharing one output tile along K (grid z), for N too small to give every SM a row block.
         Each writes an fp32 partial to a workspace ``[split_k, M, N]`` and counts itself in on the tile's arrival
         counter; the last to arrive sums the partials in split order, writes the output and resets the counter.
-        With :attr:`padded_rows` or :attr:`tokens_on_m` the tile's :data:`CLUSTER_SPLIT_K` CTAs form one thread-block
-        cluster instead (:attr:`in_cluster`): each stages its partial in its drained ring and sums its share of the
-        tile from every CTA's, in split order.
+        With :attr:`padded_rows` the tile's CTAs form one thread-block cluster instead (:attr:`in_cluster`): each
+        stages its partial in its drained ring and sums its share of the tile from every CTA's, in split order.
     :param tokens_on_m: the tokens fill the MMA's M side and the weight rows its N side, instead of swap-AB
-        (64-element K-tiles; split-K only in a cluster). A CTA may then own fewer than 64 weight rows, so more CTAs
-        stream the weights.
+        (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
+        weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
     :param weight_cluster: with ``tokens_on_m``, the CTAs of one row block and this many neighbouring token tiles
         (grid y) run as one thread-block cluster that shares every weight tile: each loads ``1 / weight_cluster``
@@ -171,9 +168,8 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def in_cluster(self) -> bool:
-        """Whether the split-K partials are summed in a thread-block cluster (padded rows or tokens on M), not a
-        workspace."""
-        return self.split_k > 1 and (self.padded_rows or self.tokens_on_m)
+        """Whether the split-K partials are summed in a thread-block cluster (padded rows), not a workspace."""
+        return self.split_k > 1 and self.padded_rows
 
     @property
     def uses_workspace(self) -> bool:
@@ -201,19 +197,9 @@ class WgmmaTactic(SplitKSchedule):
         """Shared memory of the staged bf16 output tile (:meth:`staging_stride` per token)."""
         return self.staging_stride() * self.mma_tokens * 2
 
-    def partial_stride(self) -> int:
-        """Floats from one token to the next in an in-cluster split's staged fp32 partial: the MMA's rows, 8 more with
-        ``tokens_on_m`` where those are a multiple of 16. A warp's fragment store there writes 8 consecutive floats
-        (weight rows) of 8 tokens; at a stride of 8 or 24 banks modulo 32 four tokens fill the 32 banks, so the
-        store takes 2 wavefronts, where a multiple of 32 (96 rows) puts all 8 in the same banks: 8 (by the bank
-        arithmetic, not profiled). Swap-AB's fragment spans 4 tokens of 8 rows each: there a stride of 68 floats
-        measured no faster than 64 (F_A/beta in the fused stage, RESULTS.md, levers), so it stays the MMA's rows."""
-        return self.mma_rows + 8 if self.tokens_on_m and self.mma_rows % 16 == 0 else self.mma_rows
-
     def partial_bytes(self) -> int:
-        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile at
-        :meth:`partial_stride` floats per token (0 otherwise)."""
-        return self.partial_stride() * self.mma_tokens * 4 if self.in_cluster else 0
+        """The fp32 partial an in-cluster split stages in its drained ring: the MMA's whole tile (0 otherwise)."""
+        return self.mma_rows * self.mma_tokens * 4 if self.in_cluster else 0
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -283,11 +269,8 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_t={t.block_t} must be a multiple of 8 from 8 to {MAX_TOKENS_ON_M} with tokens_on_m"
         if t.block_k != 64:
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
-        if t.split_k not in (1, CLUSTER_SPLIT_K):
-            return f"split_k={t.split_k}: tokens_on_m runs unsplit or split in a cluster of {CLUSTER_SPLIT_K}"
-        if t.split_k > 1 and t.weight_cluster > 1:
-            return (f"split_k={t.split_k} with weight_cluster={t.weight_cluster}: a CTA is in one cluster, along K or "
-                    f"along the token tiles")
+        if t.split_k != 1:
+            return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
         if t.weight_cluster not in WEIGHT_CLUSTERS or t.block_n % (BOX_ROWS * t.weight_cluster):
             return (f"weight_cluster={t.weight_cluster} must be one of {WEIGHT_CLUSTERS}, sharing block_n={t.block_n} "
                     f"rows in multiples of {BOX_ROWS}")
@@ -847,8 +830,8 @@ class WgmmaGemm:
         t = self.tactic
         self._consumers_sync()  # every consumer's MMAs have completed: the ring is free
         s_p = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
-                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.partial_stride())))
-        thr_mma.partition_C(self._mma_view(s_p)).store(acc.load())
+                               cute.make_layout((t.mma_rows, t.mma_tokens), stride=(1, t.mma_rows)))
+        thr_mma.partition_C(s_p).store(acc.load())
         self._cluster_sync()
         vec = (ELEMS_PER_COPY, 1)
         v_g, v_c = cute.zipped_divide(g_o, vec), cute.zipped_divide(c_o, vec)
@@ -864,7 +847,7 @@ class WgmmaGemm:
             if v < share and i < vectors:
                 if self._in_bounds(v_c[(0, i)], m_tokens):
                     # Every split's loads are issued before the first add: one wait for the cluster, not split_k.
-                    base = s_p.iterator + (i % row_vectors) * ELEMS_PER_COPY + (i // row_vectors) * t.partial_stride()
+                    base = s_p.iterator + (i % row_vectors) * ELEMS_PER_COPY + (i // row_vectors) * t.mma_rows
                     parts = [load_peer_f32x4(base, split) + load_peer_f32x4(base + VECTOR_FLOATS, split)
                              for split in range(t.split_k)]
                     for e in cutlass.range_constexpr(ELEMS_PER_COPY):

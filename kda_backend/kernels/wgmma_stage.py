@@ -10,9 +10,7 @@ warpgroups as QKVG's:
   :data:`FB_PASSES` row blocks of up to 256 rows (the MMA's N), one after another, each its own pipeline over one
   shared ring; in two consumer warpgroups F_B runs instead as a tail on QKVG's CTAs: each, after its QKVG tile,
   waits for F_A/beta like a side-chain CTA and computes one row block of F_B (Kimi-K3 TP 4: 24 rows on each of
-  128 CTAs). QKVG's CTAs may also split K in clusters of 2 (:attr:`WgmmaTactic.in_cluster`, twice the rows over all
-  of M): then every CTA of the grid is in a pair, and F_A/beta's row blocks split K over pairs of side-chain CTAs.
-  :func:`fused_stage_tactic` does not choose that form; :func:`plan_stage` takes it where a caller names it;
+  128 CTAs);
 - swap-AB with rows below the 64-row atom (:attr:`WgmmaTactic.padded_rows`), any token tile up to 256 (the MMA's
   N), served from 65 to :data:`FUSED_MAX_M` tokens, above :data:`PADDED_ROWS_NARROW_MAX_M` tokens with QKVG's CTAs 8
   rows wider than tokens on M would take (:data:`PADDED_ROWS_WIDER`): where the SMs they leave hold them, F_A/beta's
@@ -21,9 +19,9 @@ warpgroups as QKVG's:
   and the passes' MMAs run as their tiles land.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
-  the stage's tactic, one CTA each (two, one cluster, where QKVG splits K); ``side`` is what QKVG leaves of the SMs
-  (4 of 132 for Kimi-K3 TP 8: 128 QKVG CTAs of 48 rows), or with F_A/beta split the pairs :func:`split_side_chain`
-  places there (12 of the 22 that 110 CTAs of 56 rows leave). One token tile: M up to the tactic's ``block_t``.
+  the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
+  CTAs of 48 rows), or with F_A/beta split the pairs :func:`split_side_chain` places there (12 of the 22 that 110
+  CTAs of 56 rows leave). One token tile: M up to the tactic's ``block_t``.
 - Side-chain CTA ``i`` first asks L2 for its W_fb tiles (TMA prefetch), then computes F_A/beta's row block ``i``
   (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's, in the deepest ring an SM holds, so it finishes first;
   split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together),
@@ -35,8 +33,7 @@ warpgroups as QKVG's:
   (with F_B's tail, QKVG's CTAs wait for side-chain CTAs already resident, which wait for nothing). The last CTA
   past the wait resets both counters (``chain[1]`` counts them past it), so the stream's next launch finds them
   zero.
-- Every tile is one CTA's (or one cluster's, its two partials summed in split order), accumulated in a fixed order:
-  bitwise deterministic.
+- Every tile is one CTA's, accumulated in a fixed order: bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -159,22 +156,15 @@ class StagePlan:
 
 def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
                sms: int = SMS) -> StagePlan | str:
-    """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the fused stage.
-    A tokens-on-M QKVG tactic may split K in clusters (:attr:`~kda_backend.kernels.wgmma_gemm.WgmmaTactic.in_cluster`):
-    then every CTA of the launch is in a pair, F_A/beta's row blocks split K over pairs of side-chain CTAs too."""
-    clustered = tactic.tokens_on_m and tactic.in_cluster
-    if (not (tactic.tokens_on_m or tactic.padded_rows) or (tactic.split_k != 1 and not clustered)
-            or tactic.weight_cluster != 1):
+    """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the fused stage."""
+    if not (tactic.tokens_on_m or tactic.padded_rows) or tactic.split_k != 1 or tactic.weight_cluster != 1:
         return (f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m or padded-rows tactic without a "
-                "weight cluster, or a tokens_on_m one split in clusters")
-    qkvg_ctas = row_blocks(qkvg_rows, tactic.block_n) * tactic.split_k
+                "weight cluster")
+    qkvg_ctas = row_blocks(qkvg_rows, tactic.block_n)
     side = sms - qkvg_ctas
-    if side < tactic.split_k:
-        return f"QKVG's {qkvg_ctas} CTAs leave no side-chain CTA (or cluster) of {sms} SMs"
-    if side % tactic.split_k:
-        return f"QKVG's CTAs in clusters of {tactic.split_k} leave {side} SMs, which do not pair into clusters"
-    # One F_A/beta row block per side-chain CTA, or per pair of them where QKVG's CTAs are in clusters.
-    fab_block = -(-fab_rows // (side // tactic.split_k * 8)) * 8
+    if side < 1:
+        return f"QKVG's {qkvg_ctas} row blocks leave none of {sms} SMs to the side chain"
+    fab_block = -(-fab_rows // (side * 8)) * 8
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
     # Where QKVG takes tokens on M in two consumer warpgroups (above 64 tokens), F_B's passes one after another on
@@ -184,7 +174,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
-        fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, split_k=1, pdl=False)
+        fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False)
         passes = 1
     elif tactic.tokens_on_m:
         # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
@@ -196,7 +186,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
             return (f"F_B's {fb_rows} rows do not split into {side} shares of row blocks of a multiple of 8 up to "
                     f"{MAX_TILE_ROWS}")
         # A pass's K-tiles all load at once: its ring is as deep as F_B's K-tiles.
-        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, split_k=1, pdl=False)
+        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False)
     else:
         # Swap-AB: F_A/beta split along K over pairs of side-chain CTAs where the SMs QKVG leaves hold them (see
         # split_side_chain); F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
@@ -211,12 +201,13 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
     # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB its MMAs bound it, so there it
     # splits K where the free SMs hold the pairs (split_side_chain).
-    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1,
-                                    split_k=CLUSTER_SPLIT_K if split or clustered else 1)
+    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1, split_k=CLUSTER_SPLIT_K if split else 1)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
-    owners = side // fab.split_k  # side-chain CTAs, or pairs of them, that each own one F_A/beta row block
+    # Each side-chain CTA (each pair, where F_A/beta splits K) owns one F_A/beta row block: one past the rows would
+    # store past them, since only a partial last row block checks its rows.
+    owners = side // fab.split_k
     if row_blocks(fab_rows, fab.block_n) < owners:
         return (f"F_A/beta's {fab_rows} rows in row blocks of {fab.block_n} leave some of the {owners} side-chain "
                 f"{'pairs' if fab.split_k > 1 else 'CTAs'} without rows")
@@ -317,7 +308,7 @@ class WgmmaStage:
     def smem_bytes(self) -> int:
         """The barrier area, then the largest shared memory of the three GEMMs (:meth:`StagePlan.fb_smem_bytes`)."""
         p = self.plan
-        rings = (p.qkvg.smem_bytes() - RING_OFFSET_BYTES, p.fab.smem_bytes() - RING_OFFSET_BYTES, p.fb_smem_bytes())
+        rings = (p.qkvg.stages * p.qkvg.slot_bytes(), p.fab.smem_bytes() - RING_OFFSET_BYTES, p.fb_smem_bytes())
         return RING_OFFSET_BYTES + max(rings)
 
     def barriers(self) -> int:
@@ -347,9 +338,9 @@ class WgmmaStage:
         m_fa = cute.make_tensor(m_fab.iterator, cute.make_layout((m_fab.shape[0], self.d), stride=(self.fab_rows, 1)))
         b_ops = self.fb._operands(m_w_fb, m_fa)
         outs = [cute.make_tensor(o.iterator, cute.select(o.layout, mode=[1, 0])) for o in (m_qkvg, m_fab, m_g1)]
-        grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n) * p.qkvg.split_k, 1, 1)
-        # With F_A/beta split in clusters every CTA of the grid is in one (unsplit QKVG's pairs never synchronize).
-        cluster = [CLUSTER_SPLIT_K, 1, 1] if p.fab.in_cluster or p.qkvg.in_cluster else None
+        grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n), 1, 1)
+        # With F_A/beta split in clusters every CTA of the grid is in one (QKVG's pairs never synchronize).
+        cluster = [CLUSTER_SPLIT_K, 1, 1] if p.fab.in_cluster else None
         self.stage_kernel(*q_ops, *f_ops, *b_ops, *outs, m_chain).launch(
             grid=grid, block=[p.qkvg.threads, 1, 1], cluster=cluster, smem=self.smem_bytes(), stream=stream,
             use_pdl=p.qkvg.pdl,
@@ -388,11 +379,8 @@ class WgmmaStage:
                     if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
                         self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx - p.side, 1)
             mainloop, s_w, s_x, s_x_box = self.qkvg._pipeline_on(barriers, ring, dtype, q_s_w, q_s_x, q_s_x_box)
-            row_block, k_half = bidx - p.side, 0
-            if cutlass.const_expr(p.qkvg.in_cluster):  # row block (bidx - side) // 2, K-half (cluster rank) bidx % 2
-                row_block, k_half = (bidx - p.side) // CLUSTER_SPLIT_K, (bidx - p.side) % CLUSTER_SPLIT_K
             self.qkvg._tile_per_cta(mainloop, q_w_tma, q_w_src, q_x_tma, q_x_src, s_w, s_x, s_x_box, ring, m_qkvg_t,
-                                    None, None, None, q_mma, warp, tidx, row_block, 0, k_half)
+                                    None, None, None, q_mma, warp, tidx, bidx - p.side, 0, 0)
             if cutlass.const_expr(p.fb_tail):
                 if bidx - p.side < p.waiters(self.fb.n):
                     self._wait_for_side_chain(m_chain, tidx)
