@@ -396,19 +396,21 @@ def padded_rows_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
 
 
 def weight_cluster_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
-    """The tokens-on-M tactics whose token tiles share weight tiles in clusters of 2
+    """The tokens-on-M tactic whose token tiles share weight tiles in clusters of 2
     (:attr:`WgmmaTactic.weight_cluster`), worth timing above :data:`TOKENS_ON_M_CANDIDATES_UP_TO` tokens: twice
     :func:`tokens_on_m_rows` rows per CTA (row blocks times the cluster's two token tiles give every SM about one
-    CTA), with PDL, in the deepest ring one CTA per SM allows (at most 12 K-tiles) and the deepest that
-    :func:`leaves_room` for the side chain; none where the rows exceed the MMA's N or 64-element K-tiles do not
-    divide K."""
+    CTA), with PDL, in the deepest ring one CTA per SM allows (at most 12 K-tiles); none where the rows exceed the
+    MMA's N or 64-element K-tiles do not divide K. No ring that leaves room for a side chain beside it: on H200 for
+    Kimi-K3 such rings took QKVG alone 1.3-1.5x as long (TP 8, 5 slots: 32.02 / 32.71 us at M = 96 / 128 against
+    23.37 / 24.82 with 11; TP 4, 3 slots: 72.70 at M = 96 against 46.65 with 7, in the autotuner's timings), and
+    beside the side chain TP 8's 5-slot ring took 3.7-4.1 us more again
+    (`benchmarks/results/levers/wgmma-weight-cluster/`)."""
     rows = 2 * tokens_on_m_rows(n)
     if m <= TOKENS_ON_M_CANDIDATES_UP_TO or k % 64 or rows > MAX_TOKEN_TILE:
         return []
     probe = WgmmaTactic(rows, 64, 64, 1, tokens_on_m=True, weight_cluster=2).for_tokens(m)
     deepest = min(MAX_DEFAULT_STAGES, max_stages(rows, 64, probe.block_t, 1, tokens_on_m=True))
-    roomy = min(deepest, (MAX_SMEM_BYTES // 2 - RING_OFFSET_BYTES) // probe.slot_bytes())
-    return [dataclasses.replace(probe, stages=stages) for stages in dict.fromkeys((deepest, roomy)) if stages >= 2]
+    return [dataclasses.replace(probe, stages=deepest)] if deepest >= 2 else []
 
 
 def wgmma_candidate_tactics(n: int, k: int, m: int, x_row_stride: int) -> list[WgmmaTactic]:
