@@ -240,6 +240,7 @@ class KDAProjection:
 
     def _stage_pair(self, m: int) -> tuple[SequentialStage | FusedStage, PackedStage | None]:
         if m not in self._stages:
+            self._check_current_device()
             step = self.plan.step(m)
             fused = self._fused(m) if step.fused else None
             if fused is not None:
@@ -257,6 +258,19 @@ class KDAProjection:
             packed = self._packed(m, gemms) if self.weights.packed is not None and not step.overlap else None
             self._stages[m] = (stage, packed)
         return self._stages[m]
+
+    def _check_current_device(self) -> None:
+        """Raise ``RuntimeError`` where the weights live on another CUDA device than the current one: the CuTe
+        kernels are compiled for the current device and launched on its current stream, so such a stage would
+        launch on the wrong GPU. Checked once per M, where its stage is built (before any launch), not per call."""
+        device = self._device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            current = torch.device("cuda", torch.cuda.current_device())
+            raise RuntimeError(
+                f"weights on {device} while {current} is the current CUDA device: kda-backend builds and launches its "
+                f"kernels on the current device; make {device} current first (torch.cuda.set_device({device.index}) "
+                f"or `with torch.cuda.device({device.index}):`)"
+            )
 
     def _packed(self, m: int, gemms: dict[str, Gemm]) -> PackedStage | None:
         """The packed form of a sequential step over packed weights: one GEMM over ``[QKVG; FAB]`` by QKVG's

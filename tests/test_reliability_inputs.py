@@ -155,6 +155,20 @@ def test_projection_refuses_bad_output_buffers():
     assert str(caught.value) == "g1_out: given with compute_fb=False, which computes no g1"
 
 
+def test_projection_refuses_weights_on_another_cuda_device_than_the_current_one(monkeypatch):
+    """Weights on cuda:1 while cuda:0 is current (several GPUs in one process): the kernels would launch on cuda:0's
+    stream, so the first stage built for an M refuses, naming both devices and the remedy, before any launch."""
+    monkeypatch.setattr(ProjectionWeights, "device", property(lambda self: torch.device("cuda", 1)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    proj = KDAProjection(_split())
+    with pytest.raises(RuntimeError) as caught:
+        proj.prepare([2])
+    assert str(caught.value) == (
+        "weights on cuda:1 while cuda:0 is the current CUDA device: kda-backend builds and launches its kernels on the "
+        "current device; make cuda:1 current first (torch.cuda.set_device(1) or `with torch.cuda.device(1):`)"
+    )
+
+
 @pytest.mark.parametrize("m", [0, 1, 7, 4099, 100_000], ids=lambda m: f"projection-M{m}")
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 def test_projection_any_m_matches_reference(m, packed):
