@@ -401,10 +401,9 @@ def weight_cluster_tactics(n: int, k: int, m: int) -> list[WgmmaTactic]:
     :func:`tokens_on_m_rows` rows per CTA (row blocks times the cluster's two token tiles give every SM about one
     CTA), with PDL, in the deepest ring one CTA per SM allows (at most 12 K-tiles); none where the rows exceed the
     MMA's N or 64-element K-tiles do not divide K. No ring that leaves room for a side chain beside it: on H200 for
-    Kimi-K3 such rings took QKVG alone 1.3-1.6x as long (TP 8, 5 slots: 32.02 / 32.71 us at M = 96 / 128 against
-    23.37 / 24.82 with 11; TP 4, 3 slots: 72.70 at M = 96 against 46.65 with 7, in the autotuner's timings), and
-    beside the side chain TP 8's 5-slot ring took 3.7-4.1 us more again
-    (`benchmarks/results/levers/wgmma-weight-cluster/`)."""
+    Kimi-K3 such rings took QKVG alone 1.3-1.5x as long (TP 8, 5 slots: 32.02 / 32.71 us at M = 96 / 128 against
+    23.37 / 24.82 with 11; TP 4, 3 slots: 65.15 / 66.08 against 45.58 / 46.77 with 7), and beside the side chain
+    TP 8's 5-slot ring took 3.7-4.1 us more again (`benchmarks/results/levers/wgmma-weight-cluster/`)."""
     rows = 2 * tokens_on_m_rows(n)
     if m <= TOKENS_ON_M_CANDIDATES_UP_TO or k % 64 or rows > MAX_TOKEN_TILE:
         return []
