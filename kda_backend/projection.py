@@ -264,8 +264,10 @@ class KDAProjection:
         kernels are compiled for the current device and launched on its current stream, so such a stage would
         launch on the wrong GPU. Checked once per M, where its stage is built (before any launch), not per call."""
         device = self._device
-        if device.type == "cuda" and device.index != torch.cuda.current_device():
-            current = torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cuda":
+            return
+        current = torch.device("cuda", torch.cuda.current_device())
+        if device != current:
             raise RuntimeError(
                 f"weights on {device} while {current} is the current CUDA device: kda-backend builds and launches its "
                 f"kernels on the current device; make {device} current first (torch.cuda.set_device({device.index}) "
