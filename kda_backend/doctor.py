@@ -11,6 +11,7 @@ import importlib.metadata as md
 import importlib.util
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,9 +73,19 @@ def _cache() -> dict[str, Any]:
     try:
         path = hooks.cache_dir()
     except ValueError as exc:
-        return {"dir": None, "exists": False, "plans": [], "error": str(exc)}
+        return {"dir": None, "exists": False, "plans": [], "kernels": {"versions": 0, "mb": 0.0}, "error": str(exc)}
     files = sorted(p.name for p in path.glob("*.json")) if path.is_dir() else []
-    return {"dir": str(path), "exists": path.is_dir(), "plans": files}
+    return {"dir": str(path), "exists": path.is_dir(), "plans": files, "kernels": _kernels(path / "kernels")}
+
+
+def _kernels(folder: Path) -> dict[str, Any]:
+    """The compiled kernels' object files in ``folder`` (one subfolder per code version): how many code versions
+    hold them and their megabytes (a version no process used for 30 days is removed at the next use)."""
+    try:
+        files = [(path.parent, path.stat().st_size) for path in folder.glob("*/kda_gemm_*.o")]
+    except OSError:  # a folder this user may not read
+        files = []
+    return {"versions": len({parent for parent, _ in files}), "mb": round(sum(size for _, size in files) / 1e6, 1)}
 
 
 def _providers(packages: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -156,5 +167,7 @@ def render(report: dict[str, Any]) -> str:
         rows.append(("cache", cache["error"]))
     else:
         rows.append(("cache", f"{cache['dir']} ({plans})" if cache["exists"] else f"{cache['dir']} (absent)"))
+        kernels = cache["kernels"]
+        rows.append(("kernels", f"{kernels['mb']} MB compiled for {kernels['versions']} code version(s)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

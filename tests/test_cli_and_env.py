@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_doctor_json_reports_machine(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_BACKEND_CACHE_DIR", str(tmp_path))
     (tmp_path / "plan-x.json").write_text("{}")
+    for version, size in (("0123456789abcdef", 300_000), ("fedcba9876543210", 200_000)):
+        (tmp_path / "kernels" / version).mkdir(parents=True)
+        (tmp_path / "kernels" / version / "kda_gemm_a.o").write_bytes(bytes(size))
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["python"] == sys.version.split()[0]
@@ -23,13 +26,14 @@ def test_doctor_json_reports_machine(capsys, tmp_path, monkeypatch):
     assert set(report["engines"]) == {"vllm", "sglang"}
     assert report["engines"]["vllm"]["entry_point_group"] == "vllm.general_plugins"
     assert "torch" in report["providers"]
-    assert report["cache"] == {"dir": str(tmp_path), "exists": True, "plans": ["plan-x.json"]}
+    assert report["cache"] == {"dir": str(tmp_path), "exists": True, "plans": ["plan-x.json"],
+                               "kernels": {"versions": 2, "mb": 0.5}}
 
 
 def test_doctor_table(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    for label in ("kda-backend", "torch", "gpu", "cute_dsl", "vllm", "sglang", "providers", "cache"):
+    for label in ("kda-backend", "torch", "gpu", "cute_dsl", "vllm", "sglang", "providers", "cache", "kernels"):
         assert re.search(rf"^{label}\s", out, re.M), label
 
 

@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import errno
 import importlib
 import inspect
 import json
@@ -10,6 +11,7 @@ import re
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -467,8 +469,9 @@ def test_compiled_kernel_is_reused_from_disk(kernel_cache, monkeypatch):
 
     key = _small_key()
     assert compile_cache.CompiledGemms().get(key, kernel_cache) is not None
-    files = list(kernel_cache.glob("*.o"))
-    assert [f.name for f in files] == [f"kda_gemm_{compile_cache.fingerprint(key)}.o"]
+    files = list(kernel_cache.rglob("*.o"))
+    assert [f.relative_to(kernel_cache) for f in files] == [
+        Path(compile_cache.CODE_VERSION, f"kda_gemm_{compile_cache.fingerprint(key)}.o")]
 
     def no_compiler(key):
         raise AssertionError("a kernel on disk must not be compiled again")
@@ -483,7 +486,7 @@ def test_compiled_kernels_on_disk_are_readable_by_every_user(kernel_cache):
     from kda_backend.kernels import compile_cache
 
     compile_cache.CompiledGemms().get(_small_key(), kernel_cache)
-    assert [stat.S_IMODE(f.stat().st_mode) for f in kernel_cache.iterdir()] == [0o644]
+    assert [stat.S_IMODE(f.stat().st_mode) for f in kernel_cache.rglob("*.o")] == [0o644]
 
 
 def test_kernel_cache_folder_that_cannot_be_searched_compiles_instead(kernel_cache, monkeypatch, kda_log):
@@ -494,7 +497,7 @@ def test_kernel_cache_folder_that_cannot_be_searched_compiles_instead(kernel_cac
     exists = Path.exists
 
     def refused(path, *args, **kwargs):
-        if path.parent == kernel_cache:
+        if kernel_cache in path.parents:
             raise PermissionError(13, "Permission denied", str(path))
         return exists(path, *args, **kwargs)
 
@@ -514,7 +517,7 @@ def test_kernel_cache_without_folder_is_memory_only_until_given_one(kernel_cache
     kernel = cache.get(key)
     assert kernel is not None and not kernel_cache.exists()
     assert cache.get(key, kernel_cache) is kernel
-    path = kernel_cache / f"kda_gemm_{compile_cache.fingerprint(key)}.o"
+    path = kernel_cache / compile_cache.CODE_VERSION / f"kda_gemm_{compile_cache.fingerprint(key)}.o"
     assert path.stat().st_size > 1000 and compile_cache.load_exported(path, path.stem) is not None
 
 
@@ -568,7 +571,7 @@ def test_unreadable_kernel_file_is_recompiled_with_one_warning(kernel_cache, kda
     from kda_backend.kernels import compile_cache
 
     key = _small_key()
-    path = kernel_cache / f"kda_gemm_{compile_cache.fingerprint(key)}.o"
+    path = kernel_cache / compile_cache.CODE_VERSION / f"kda_gemm_{compile_cache.fingerprint(key)}.o"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"\x7fELF truncated")
     assert compile_cache.CompiledGemms().get(key, kernel_cache) is not None
@@ -584,6 +587,80 @@ def test_unwritable_kernel_cache_still_serves(kernel_cache, kda_log, monkeypatch
     kernel_cache.write_text("a file where the folder should be")
     assert compile_cache.CompiledGemms().get(_small_key(), kernel_cache) is not None
     assert any("cannot write compiled kernels" in m for m in kda_log.messages())
+
+
+def _aged(path: Path, days: float) -> Path:
+    """``path`` last modified ``days`` ago."""
+    when = time.time() - days * 86400
+    os.utime(path, (when, when), follow_symlinks=False)
+    return path
+
+
+def _version_folder(parent: Path, name: str, days: float, files=("kda_gemm_a.o", ".tmp-b.o")) -> Path:
+    folder = parent / name
+    folder.mkdir(parents=True)
+    for file in files:
+        (folder / file).write_bytes(b"object")
+    return _aged(folder, days)
+
+
+def test_first_use_of_a_kernel_folder_removes_code_versions_unused_for_30_days(kernel_cache, kda_log):
+    """A kernel folder keeps one folder per code version; a process's first use of it marks its own version used
+    and removes other versions (and loose object files of the unversioned layout) no process used for 30 days.
+    Versions used since, anything not named as ours and folders reached through links stay, without a word."""
+    from kda_backend.kernels import compile_cache
+
+    current = _version_folder(kernel_cache, compile_cache.CODE_VERSION, days=40, files=())
+    unused = _version_folder(kernel_cache, "0123456789abcdef", days=31)
+    recent = _version_folder(kernel_cache, "fedcba9876543210", days=29)
+    other = _version_folder(kernel_cache, "backup", days=90)
+    elsewhere = _version_folder(kernel_cache.parent / "elsewhere", "aaaaaaaaaaaaaaaa", days=90)
+    (kernel_cache / "bbbbbbbbbbbbbbbb").symlink_to(elsewhere)
+    for name in ("kda_gemm_0f.o", "kda_gemm_1f.o", "notes.txt"):
+        (kernel_cache / name).write_bytes(b"o")
+    loose_old, loose_new, notes = _aged(kernel_cache / "kda_gemm_0f.o", 31), kernel_cache / "kda_gemm_1f.o", _aged(
+        kernel_cache / "notes.txt", 90)
+
+    cache = compile_cache.CompiledGemms()
+    key = _small_key()
+    assert cache.get(key, kernel_cache) is not None
+    assert not unused.exists() and not loose_old.exists()
+    assert all(p.exists() for p in (recent / "kda_gemm_a.o", other / "kda_gemm_a.o", elsewhere / "kda_gemm_a.o",
+                                    loose_new, notes))
+    assert time.time() - current.stat().st_mtime < 60  # marked used
+    assert (current / f"kda_gemm_{compile_cache.fingerprint(key)}.o").exists()
+    assert kda_log.messages() == []
+
+    _aged(recent, 31)
+    cache.get(key, kernel_cache)  # once per folder and process
+    assert recent.exists()
+    compile_cache.CompiledGemms().get(key, kernel_cache)  # as in a new process
+    assert not recent.exists() and current.exists()
+
+
+def test_code_version_that_cannot_be_removed_warns_once_and_serves(kernel_cache, kda_log):
+    """A version folder holding a file that is not ours loses its object files, stays, and warns once naming it."""
+    from kda_backend.cache_files import remove_unused_versions
+
+    folder = _version_folder(kernel_cache, "0123456789abcdef", days=31, files=("kda_gemm_a.o", "keep.txt"))
+    _aged(folder, 31)
+    for _ in range(2):
+        remove_unused_versions(kernel_cache, "ffffffffffffffff", "[0-9a-f]{16}", ("kda_gemm_*.o",))
+    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
+    [message] = kda_log.messages()
+    assert message.startswith("cannot remove files of code versions unused for 30 days: "
+                              f"{folder}: [Errno {errno.ENOTEMPTY}]")
+    assert message.endswith("; remove them by hand")
+
+
+def test_kernel_folder_this_process_may_not_write_is_left_alone(kernel_cache, kda_log, monkeypatch):
+    """A cache another user filled (its folder not writable here) loses nothing, and nothing is said."""
+    from kda_backend import cache_files
+
+    folder = _version_folder(kernel_cache, "0123456789abcdef", days=31)
+    monkeypatch.setattr(cache_files.os, "access", lambda path, mode: False)
+    cache_files.remove_unused_versions(kernel_cache, "ffffffffffffffff", "[0-9a-f]{16}", ("kda_gemm_*.o",))
+    assert (folder / "kda_gemm_a.o").exists() and kda_log.messages() == []
 
 
 def _stage_calls(tp=8, row_multiple=16):

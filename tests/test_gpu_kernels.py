@@ -244,7 +244,7 @@ def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path):
         out = torch.full((16, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         cache.get(key, tmp_path)(x, w, out, None, None, None, None)
         outs.append(out)
-        assert len(list(tmp_path.glob("*.o"))) == 1
+        assert len(list((tmp_path / compile_cache.CODE_VERSION).glob("*.o"))) == 1
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0], outs[1])
     ref = x.float() @ w.float().t()

@@ -6,11 +6,13 @@ current stream, so a call costs microseconds and works inside CUDA-graph capture
 refused: :meth:`CompiledGemms.get` must have run for the key beforehand (``KDAProjection.prepare``).
 
 Compiled kernels are cached in memory and, in a folder the caller passes (the provider's: ``<cache dir>/kernels``),
-on disk as ``<fingerprint>.o``, exported object files that load in milliseconds instead of compiling in seconds. The
-fingerprint covers the kernel source and the toolchain versions as this process imported them, and the key, so a
-changed kernel or toolchain never loads a stale binary, and a process serving on while the package is upgraded
-under it never stores its binaries under the new code's name. The files are shared by every TP rank and user of
-the machine (:mod:`kda_backend.cache_files`); a folder this process may not read or write costs a compile.
+on disk as ``<code version>/kda_gemm_<fingerprint>.o``, exported object files that load in milliseconds instead of
+compiling in seconds. The code version (:data:`CODE_VERSION`) and the fingerprint cover the kernel source and the
+toolchain versions as this process imported them, the fingerprint the key too, so a changed kernel or toolchain
+never loads a stale binary, and a process serving on while the package is upgraded under it never stores its
+binaries under the new code's name. The files are shared by every TP rank and user of the machine
+(:mod:`kda_backend.cache_files`); a folder this process may not read or write costs a compile. The first use of a
+folder in a process marks its code version used and removes the versions no process used for 30 days.
 
 On a machine without a GPU, ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``) selects the target, so CI compiles every
 kernel for every architecture.
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kda_backend.cache_files import publish, remove_stale_temps
+from kda_backend.cache_files import mark_used, publish, remove_stale_temps, remove_unused_versions
 from kda_backend.kernels import (
     arrival_counters,
     cluster_smem,
@@ -265,6 +267,10 @@ def _code_digest() -> bytes:
 
 
 CODE_DIGEST = _code_digest()
+CODE_VERSION = CODE_DIGEST.hex()[:16]
+"""The folder of this code's object files inside a kernel folder."""
+_VERSION_NAME = "[0-9a-f]{16}"
+_OBJECT_FILES = ("kda_gemm_*.o", ".tmp-*.o")  # what a version folder holds: exports and their temp files
 
 
 def fingerprint(key: KernelKey) -> str:
@@ -302,6 +308,7 @@ class CompiledGemms:
         self._kernels: dict[KernelKey, Any] = {}
         self._compiled: dict[KernelKey, Any] = {}  # the compiler's objects (what exports), for kernels compiled here
         self._stored: set[tuple[KernelKey, Path]] = set()
+        self._claimed: set[Path] = set()  # folders whose code version this process marked used
 
     def get(self, key: KernelKey, folder: Path | None = None) -> Any:
         """``key``'s kernel, ``f(x, w, out, work, arrivals, chain, expected)`` (see :func:`compile_gemm`): from
@@ -311,6 +318,12 @@ class CompiledGemms:
             kernel = self._kernels.get(key)
             if kernel is not None and (folder is None or (key, folder) in self._stored):
                 return kernel
+            claim = folder is not None and folder not in self._claimed
+            if claim:
+                self._claimed.add(folder)
+        if claim:
+            mark_used(folder / CODE_VERSION)
+            remove_unused_versions(folder, CODE_VERSION, _VERSION_NAME, _OBJECT_FILES)
         if kernel is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"kernel {key} was not compiled before CUDA-graph capture; call prepare() first")
@@ -352,7 +365,7 @@ class CompiledGemms:
 
 
 def _object_file(key: KernelKey, folder: Path) -> Path:
-    return folder / f"kda_gemm_{fingerprint(key)}.o"
+    return folder / CODE_VERSION / f"kda_gemm_{fingerprint(key)}.o"
 
 
 compiled_gemms = CompiledGemms()
