@@ -84,7 +84,8 @@ def _remove_if_unused(entry: os.DirEntry, current: str, version_name: str, patte
         folder = Path(entry.path)
         for path in [path for pattern in patterns for path in folder.glob(pattern)]:
             path.unlink(missing_ok=True)
-        folder.rmdir()
+        with contextlib.suppress(FileNotFoundError):  # every rank of a serve starting at once: another removed it
+            folder.rmdir()
     elif any(fnmatch.fnmatch(entry.name, pattern) for pattern in patterns) and _older(entry, cutoff):
         Path(entry.path).unlink(missing_ok=True)
 

@@ -653,6 +653,26 @@ def test_code_version_that_cannot_be_removed_warns_once_and_serves(kernel_cache,
     assert message.endswith("; remove them by hand")
 
 
+def test_code_version_removed_by_another_process_meanwhile_is_no_failure(kernel_cache, kda_log, monkeypatch):
+    """Every rank of a serve starts at once: where another process removes an unused version between this one's age
+    check and its removal, nothing is said."""
+    import shutil
+
+    from kda_backend import cache_files
+
+    folder = _version_folder(kernel_cache, "0123456789abcdef", days=31)
+    older = cache_files._older
+
+    def removed_meanwhile(entry, cutoff):
+        answer = older(entry, cutoff)
+        shutil.rmtree(entry.path)
+        return answer
+
+    monkeypatch.setattr(cache_files, "_older", removed_meanwhile)
+    cache_files.remove_unused_versions(kernel_cache, "ffffffffffffffff", "[0-9a-f]{16}", ("kda_gemm_*.o",))
+    assert not folder.exists() and kda_log.messages() == []
+
+
 def test_kernel_folder_this_process_may_not_write_is_left_alone(kernel_cache, kda_log, monkeypatch):
     """A cache another user filled (its folder not writable here) loses nothing, and nothing is said."""
     from kda_backend import cache_files
