@@ -61,6 +61,7 @@ class DefaultHost:
 
 
 def builtin_plugins(cache_dir: Callable[[], Path] | None = None) -> dict[str, object]:
-    """Name -> plugin object for every built-in plugin (names can be blocked like external ones); ``cache_dir`` as
-    for :class:`BuiltinProviders` (the plugin manager passes its own resolution of the cache folder)."""
+    """Name -> plugin object for every built-in plugin (always registered: ``KDA_BACKEND_BLOCK_PLUGINS`` naming one
+    warns and keeps it); ``cache_dir`` as for :class:`BuiltinProviders` (the plugin manager passes its own resolution
+    of the cache folder)."""
     return {"builtin-providers": BuiltinProviders(cache_dir), "builtin-host": DefaultHost()}

@@ -13,7 +13,6 @@ of the code (compiled kernels) live in a folder per version, marked at each proc
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 import re
 import time
@@ -54,8 +53,7 @@ def mark_used(folder: Path) -> None:
 
 def remove_unused_versions(parent: Path, current: str, version_name: str, patterns: tuple[str, ...]) -> None:
     """Remove, from ``parent``, the folders of code versions other than ``current`` (names matching the regular
-    expression ``version_name``) that no process marked used for :data:`UNUSED_VERSION_S`, and loose files matching
-    ``patterns`` as old (the unversioned layout of earlier releases).
+    expression ``version_name``) that no process marked used for :data:`UNUSED_VERSION_S`.
 
     Only files matching ``patterns`` are deleted, then the folder emptied of them. Where that fails (a folder that
     holds anything else, or that another user owns) the rest stays, with one warning, and serving goes on: the files
@@ -78,16 +76,14 @@ def remove_unused_versions(parent: Path, current: str, version_name: str, patter
 
 def _remove_if_unused(entry: os.DirEntry, current: str, version_name: str, patterns: tuple[str, ...],
                       cutoff: float) -> None:
-    if entry.is_dir(follow_symlinks=False):
-        if entry.name == current or not re.fullmatch(version_name, entry.name) or not _older(entry, cutoff):
-            return
-        folder = Path(entry.path)
-        for path in [path for pattern in patterns for path in folder.glob(pattern)]:
-            path.unlink(missing_ok=True)
-        with contextlib.suppress(FileNotFoundError):  # every rank of a serve starting at once: another removed it
-            folder.rmdir()
-    elif any(fnmatch.fnmatch(entry.name, pattern) for pattern in patterns) and _older(entry, cutoff):
-        Path(entry.path).unlink(missing_ok=True)
+    if (not entry.is_dir(follow_symlinks=False) or entry.name == current or not re.fullmatch(version_name, entry.name)
+            or not _older(entry, cutoff)):
+        return
+    folder = Path(entry.path)
+    for path in [path for pattern in patterns for path in folder.glob(pattern)]:
+        path.unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):  # every rank of a serve starting at once: another removed it
+        folder.rmdir()
 
 
 def _older(entry: os.DirEntry, cutoff: float) -> bool:

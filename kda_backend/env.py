@@ -35,16 +35,17 @@ class EnvVar:
     kind: str = "text"
 
 
-_FLAG = "`1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case); any other value is an error."
+_FLAG = "`1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case; empty is `0`); any other value is an error."
 
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("KDA_BACKEND_DISABLE", "0", "`1` turns the engine adapters off: nothing is injected into vLLM or SGLang, "
-           f"and the core is not imported. {_FLAG}", "flag"),
+    EnvVar("KDA_BACKEND_DISABLE", "0", "`1` turns the engine adapters off: vLLM and SGLang build their own layers "
+           "and the core is not imported (vLLM's Kimi-K3 registry entries stay wrapped, to read this switch when the "
+           f"model class loads). {_FLAG}", "flag"),
     EnvVar(
         "KDA_BACKEND_BLOCK_PLUGINS",
         "",
-        "Comma-separated plugin names (entry-point names or built-in names) not to register; a name that no "
-        "installed plugin has is warned about.",
+        "Comma-separated entry-point plugin names not to register; a name that no installed plugin has, or a "
+        "built-in plugin's (which stays registered), is warned about.",
     ),
     EnvVar(
         "KDA_BACKEND_PROVIDER",
@@ -62,8 +63,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "KDA_BACKEND_AUTOTUNE",
         "0",
-        "`1`: when no stored plan matches this device, tune one at load time (about 8-11 minutes on an H200 at TP8) "
-        "and store it; where tuning fails, the stored plan or the engine's own path serves, with one warning. "
+        "`1`: when no stored plan matches this device, or the stored one lacks a batch size the engine captures, "
+        "tune one at load time (about 8-11 minutes on an H200 at TP8) and store it; where tuning fails, the stored plan or the engine's own path serves, with one warning. "
         f"{_FLAG}",
         "flag",
     ),

@@ -26,7 +26,7 @@ from kda_backend.overlap import fork_while_capturing
 from kda_backend.plan import AUTO, SEQUENTIAL_TORCH, Plan
 from kda_backend.providers.base import ROLES, GemmCall, GemmProvider, StageLauncher, TrailingLauncher
 from kda_backend.stages import FusedStage, Gemm, LaunchFailed, OverlappedStage, PackedStage, SequentialStage
-from kda_backend.weights import ProjectionWeights
+from kda_backend.weights import ProjectionWeights, require_tensor
 
 OUTPUT_ALIGN_BYTES = 16  # the CuTe kernels store 16-byte vectors
 
@@ -74,8 +74,7 @@ class KDAProjection:
                 and x.device == self._device and (x.stride(1) == 1 or not x.shape[0])):
             return
         w = self.weights
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        require_tensor("x", x)
         if x.dim() != 2 or x.shape[1] != self.geometry.hidden_size:
             raise ValueError(f"x: shape {tuple(x.shape)} != expected [M, {self.geometry.hidden_size}]")
         if x.dtype != w.dtype:

@@ -17,10 +17,15 @@ from kda_backend.geometry import KDAGeometry
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_type(name: str, t: object) -> torch.Tensor:
+def require_tensor(name: str, t: object) -> None:
+    """Raise ``TypeError`` naming the argument ``name`` and its type unless ``t`` is a tensor."""
     if not isinstance(t, torch.Tensor):
         kind = f"{type(t).__module__}.{type(t).__qualname__}".removeprefix("builtins.")
         raise TypeError(f"{name}: {kind}; accepted: a torch.Tensor")
+
+
+def _check_type(name: str, t: object) -> torch.Tensor:
+    require_tensor(name, t)
     if t.dtype not in DTYPES:
         raise ValueError(f"{name}: dtype {t.dtype}; accepted: {', '.join(map(str, DTYPES))}")
     if t.dim() != 2:

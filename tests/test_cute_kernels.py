@@ -606,8 +606,8 @@ def _version_folder(parent: Path, name: str, days: float, files=("kda_gemm_a.o",
 
 def test_first_use_of_a_kernel_folder_removes_code_versions_unused_for_30_days(kernel_cache, kda_log):
     """A kernel folder keeps one folder per code version; a process's first use of it marks its own version used
-    and removes other versions (and loose object files of the unversioned layout) no process used for 30 days.
-    Versions used since, anything not named as ours and folders reached through links stay, without a word."""
+    and removes other versions no process used for 30 days. Versions used since, anything not named as a version
+    folder and folders reached through links stay, without a word."""
     from kda_backend.kernels import compile_cache
 
     current = _version_folder(kernel_cache, compile_cache.CODE_VERSION, days=40, files=())
@@ -616,17 +616,16 @@ def test_first_use_of_a_kernel_folder_removes_code_versions_unused_for_30_days(k
     other = _version_folder(kernel_cache, "backup", days=90)
     elsewhere = _version_folder(kernel_cache.parent / "elsewhere", "aaaaaaaaaaaaaaaa", days=90)
     (kernel_cache / "bbbbbbbbbbbbbbbb").symlink_to(elsewhere)
-    for name in ("kda_gemm_0f.o", "kda_gemm_1f.o", "notes.txt"):
-        (kernel_cache / name).write_bytes(b"o")
-    loose_old, loose_new, notes = _aged(kernel_cache / "kda_gemm_0f.o", 31), kernel_cache / "kda_gemm_1f.o", _aged(
-        kernel_cache / "notes.txt", 90)
+    loose = kernel_cache / "kda_gemm_0f.o"
+    loose.write_bytes(b"o")
+    _aged(loose, 90)
 
     cache = compile_cache.CompiledGemms()
     key = _small_key()
     assert cache.get(key, kernel_cache) is not None
-    assert not unused.exists() and not loose_old.exists()
+    assert not unused.exists()
     assert all(p.exists() for p in (recent / "kda_gemm_a.o", other / "kda_gemm_a.o", elsewhere / "kda_gemm_a.o",
-                                    loose_new, notes))
+                                    loose))
     assert time.time() - current.stat().st_mtime < 60  # marked used
     assert (current / f"kda_gemm_{compile_cache.fingerprint(key)}.o").exists()
     assert kda_log.messages() == []

@@ -81,7 +81,7 @@ def test_m_zero_returns_empty():
         (torch.randn(2, 2, 64).bfloat16(), r"x: shape \(2, 2, 64\)"),
         (torch.randn(2, 64), r"x: dtype torch.float32 != weight dtype torch.bfloat16"),
         (torch.randn(64, 2).bfloat16().t(), r"x: stride \(1, 2\) must be unit along hidden"),
-        ("not a tensor", r"x must be a torch.Tensor"),
+        ("not a tensor", r"^x: str; accepted: a torch.Tensor$"),
     ],
     ids=["hidden", "rank", "dtype", "stride", "type"],
 )

@@ -128,7 +128,7 @@ def test_weights_in_every_accepted_dtype_project_correctly(dtype):
 # --- projection -------------------------------------------------------------------------------------------------
 
 PROJECTION_REFUSALS = {
-    "x-numpy": (lambda: np.zeros((2, 64)), "x must be a torch.Tensor, got ndarray"),
+    "x-numpy": (lambda: np.zeros((2, 64)), "x: numpy.ndarray; accepted: a torch.Tensor"),
     "x-int8": (lambda: torch.ones(2, 64, dtype=torch.int8), "x: dtype torch.int8 != weight dtype torch.bfloat16"),
     "x-1d": (lambda: torch.randn(64).bfloat16(), "x: shape (64,) != expected [M, 64]"),
     "x-hidden": (lambda: torch.randn(2, 65).bfloat16(), "x: shape (2, 65) != expected [M, 64]"),
