@@ -64,8 +64,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "KDA_BACKEND_AUTOTUNE",
         "0",
         "`1`: when no stored plan matches this device, or the stored one lacks a batch size the engine captures, "
-        "tune one at load time (about 8-11 minutes on an H200 at TP8) and store it; where tuning fails, the stored plan or the engine's own path serves, with one warning. "
-        f"{_FLAG}",
+        "tune one at load time (about 8-11 minutes on an H200 at TP8) and store it; where tuning fails, the stored "
+        f"plan or the engine's own path serves, with one warning. {_FLAG}",
         "flag",
     ),
     EnvVar("KDA_BACKEND_CACHE_DIR", "", "Autotune/compile cache folder; default: the host's choice, else "
