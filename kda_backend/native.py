@@ -16,13 +16,11 @@ The engines' own skinny kernels cannot run here; each is modelled by the closest
 from __future__ import annotations
 
 from kda_backend.geometry import KDAGeometry
-from kda_backend.plan import Step
+from kda_backend.plan import SEQUENTIAL_TORCH, Step
 
 VLLM_OVERLAP_MAX_M = 14
 VLLM_OVERLAP_TP = 8
 SGLANG_OVERLAP_MAX_M = {9: 64, 10: 128}
-
-SEQUENTIAL = Step(overlap=False, qkvg="torch", fab="torch", fb="torch")
 
 
 def vllm_step(geometry: KDAGeometry, m: int, capability: tuple[int, int]) -> Step:
@@ -30,14 +28,14 @@ def vllm_step(geometry: KDAGeometry, m: int, capability: tuple[int, int]) -> Ste
     kernels are modelled by this package's CuTe kernels."""
     if geometry.tp_size == VLLM_OVERLAP_TP and 0 < m <= VLLM_OVERLAP_MAX_M and capability[0] in (9, 10):
         return Step(overlap=True, qkvg="torch" if capability[0] == 9 else "cute", fab="cute", fb="cute")
-    return SEQUENTIAL
+    return SEQUENTIAL_TORCH
 
 
 def sglang_step(m: int, capability: tuple[int, int]) -> Step:
     """SGLang's stage at ``m`` tokens (over its split weights): its tiny side-chain GEMV is modelled by cuBLAS."""
     if 0 < m <= SGLANG_OVERLAP_MAX_M.get(capability[0], 0):
         return Step(overlap=True, qkvg="torch", fab="torch", fb="torch")
-    return SEQUENTIAL
+    return SEQUENTIAL_TORCH
 
 
 def describe() -> str:

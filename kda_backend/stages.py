@@ -82,10 +82,6 @@ class PackedStage:
 
     packed: Gemm
     fb: Gemm
-    mode = "sequential"
-
-    def providers(self) -> set[GemmProvider]:
-        return {self.packed.provider, self.fb.provider}
 
     def run(self, x: torch.Tensor, w: ProjectionWeights, out: torch.Tensor, g1: torch.Tensor | None) -> None:
         self.packed(x, w.packed, out)

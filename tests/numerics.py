@@ -26,6 +26,19 @@ def poisoned(*shapes: tuple[int, ...], device: str | torch.device = "cpu",
     return [torch.full(shape, float("nan"), device=device, dtype=dtype) for shape in shapes]
 
 
+SENTINEL = 3.0  # what the memory right after an output or workspace holds, and must still hold after a launch
+GUARD = 4096  # elements of that memory checked
+
+
+def guarded(m: int, n: int, dtype: torch.dtype = torch.bfloat16,
+            device: str | torch.device = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-poisoned contiguous ``[m, n]`` tensor and the ``GUARD`` elements right after it, holding ``SENTINEL``:
+    a kernel that stores past its output changes them."""
+    buf = torch.full((m * n + GUARD,), SENTINEL, device=device, dtype=dtype)
+    buf[: m * n] = float("nan")
+    return buf[: m * n].view(m, n), buf[m * n:]
+
+
 def projection_outputs(m: int, geometry, device: str | torch.device = "cpu") -> list[torch.Tensor]:
     """Poisoned ``qkvg_out [M, 4hD]``, ``fab_out [M, fab_rows]``, ``g1_out [M, hD]`` for one projection call."""
     g = geometry

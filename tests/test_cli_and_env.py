@@ -43,9 +43,10 @@ def test_console_script_runs_in_subprocess():
     assert json.loads(proc.stdout)["kda_backend"]
 
 
-def test_cli_requires_a_command():
-    with pytest.raises(SystemExit):
+def test_cli_requires_a_command(capsys):
+    with pytest.raises(SystemExit) as caught:
         main([])
+    assert caught.value.code == 2 and "the following arguments are required: command" in capsys.readouterr().err
 
 
 def test_core_imports_no_engine():
@@ -216,6 +217,7 @@ def test_engine_batch_sizes_and_native_decisions():
     from kda_backend import native
     from kda_backend.batch_sizes import engine_batch_sizes, spans
     from kda_backend.geometry import preset
+    from kda_backend.plan import SEQUENTIAL_TORCH
 
     vllm, sglang = engine_batch_sizes("vllm"), engine_batch_sizes("sglang")
     assert vllm[:5] == (1, 2, 4, 8, 16) and vllm[-2:] == (248, 256)
@@ -226,7 +228,7 @@ def test_engine_batch_sizes_and_native_decisions():
     assert spans([1, 2, 3, 5, 8, 9]) == "1-3, 5, 8-9"
     tp8, tp4 = preset("kimi-k3", 8), preset("kimi-k3", 4)
     assert native.vllm_step(tp8, 14, (9, 0)) == native.Step(True, "torch", "cute", "cute")
-    assert native.vllm_step(tp8, 16, (9, 0)) == native.vllm_step(tp4, 4, (9, 0)) == native.SEQUENTIAL
+    assert native.vllm_step(tp8, 16, (9, 0)) == native.vllm_step(tp4, 4, (9, 0)) == SEQUENTIAL_TORCH
     assert native.sglang_step(64, (9, 0)).overlap and not native.sglang_step(72, (9, 0)).overlap
     assert native.sglang_step(128, (10, 0)).overlap
 

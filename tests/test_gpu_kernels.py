@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from numerics import SENTINEL, assert_close, guarded
 
 from kda_backend.geometry import preset
 from kda_backend.kernels.arrival_counters import arrival_counters
@@ -212,8 +213,9 @@ def test_split_k_on_concurrent_streams_keeps_results_apart():
     xs = [torch.randn(4, g.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     expected = []
     for x in xs:
-        out = torch.empty(4, g.fab_rows, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((4, g.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
         provider.run("fab", x, w, out)
+        assert_close(out, x.float() @ w.float().t(), "fab")
         expected.append(out)
     streams = [torch.cuda.Stream() for _ in xs]
     outs = [[torch.full((4, g.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(50)]
@@ -228,8 +230,9 @@ def test_split_k_on_concurrent_streams_keeps_results_apart():
         assert all(torch.equal(out, expected[s]) for out in outs[s])
 
 
-def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path):
-    """The exported object file (what the next process loads) computes exactly what the compiled kernel does."""
+def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path, monkeypatch):
+    """The exported object file (what the next process loads, never compiling) computes exactly what the compiled
+    kernel does."""
     from kda_backend.kernels import compile_cache
     from kda_backend.kernels.skinny_gemm import default_tactic
 
@@ -245,6 +248,7 @@ def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path):
         cache.get(key, tmp_path)(x, w, out, None, None, None, None)
         outs.append(out)
         assert len(list((tmp_path / compile_cache.CODE_VERSION).glob("*.o"))) == 1
+        monkeypatch.setattr(compile_cache, "compile_gemm", lambda key: pytest.fail("compiled again, not loaded"))
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0], outs[1])
     ref = x.float() @ w.float().t()
@@ -258,7 +262,7 @@ def test_kernel_loaded_from_disk_equals_freshly_compiled(tmp_path):
                                         Tactic(48, 128, 16, 4, x_via_l1=False, x_bulk=True, split_k=4),
                                         Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [1, 16, 40], ids=lambda m: f"M{m}")
-def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m, kda_log):
+def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m, kda_log, monkeypatch):
     """F_A/beta and F_B trailing QKVG on one stream (the provider's trailing side chain with these tactics: one
     launch for the 16-row cp.async ones, which passes its first-use check, two for the others) compute exactly what
     the plain kernels do (what the forked side chain runs), and leave the chain counters at zero; one launcher
@@ -267,20 +271,37 @@ def test_trailing_side_chain_equals_the_plain_kernels_bitwise(fab_tactic, m, kda
     fb_tactic = Tactic(16, 128, block_t_for(m), 2, x_via_l1=False)
     one_launch = fab_tactic.block_n == 16 and not fab_tactic.x_tma
     assert (why_not_one_launch(fab_tactic, fb_tactic) is None) == one_launch
+    one_launch_kernels = _record_one_launch_kernels(monkeypatch)
     _check_trailing_side_chain(m, fab_tactic, fb_tactic)
     assert not any("computed wrongly" in message for message in kda_log.messages())
+    assert bool(one_launch_kernels) == one_launch
 
 
 @pytest.mark.parametrize("fab_tactic", [Tactic(16, 128, 16, 3, x_via_l1=False, split_k=14),
                                         Tactic(16, 256, 16, 4, x_via_l1=False)], ids=lambda t: t.key())
 @pytest.mark.parametrize("m", [17, 40, 64], ids=lambda m: f"M{m}")
-def test_side_chain_in_one_launch_over_several_token_tiles(fab_tactic, m, kda_log):
+def test_side_chain_in_one_launch_over_several_token_tiles(fab_tactic, m, kda_log, monkeypatch):
     """The one-launch side chain with 16-token tiles over up to four of them, F_A/beta's tiles (with and without
     split-K) and F_B's each drawn by ticket: the plain kernels' bits, counters left at zero."""
     fb_tactic = Tactic(16, 128, 16, 3, x_via_l1=False)
     assert why_not_one_launch(fab_tactic, fb_tactic) is None
+    one_launch_kernels = _record_one_launch_kernels(monkeypatch)
     _check_trailing_side_chain(m, fab_tactic, fb_tactic)
-    assert not any("computed wrongly" in message for message in kda_log.messages())
+    assert not any("computed wrongly" in message for message in kda_log.messages()) and one_launch_kernels
+
+
+def _record_one_launch_kernels(monkeypatch) -> list:
+    """The keys of the one-launch side chains the provider fetches from now on (what its trailing launcher runs
+    where its first-use check passes)."""
+    fetched, real_get = [], compiled_gemms.get
+
+    def get(key, folder=None):
+        if isinstance(key, SideChainKey):
+            fetched.append(key)
+        return real_get(key, folder)
+
+    monkeypatch.setattr(compiled_gemms, "get", get)
+    return fetched
 
 
 def test_one_launch_side_chain_that_computes_wrongly_runs_as_two_launches(monkeypatch, kda_log):
@@ -332,17 +353,6 @@ def _check_trailing_side_chain(m: int, fab_tactic: Tactic, fb_tactic: Tactic) ->
     assert len(provider._trailing) == 1
 
 
-SENTINEL = 3.0  # what the memory right after an output or workspace holds, and must still hold after a launch
-GUARD = 4096  # elements of that memory checked
-
-
-def _guarded(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """A NaN-poisoned contiguous ``[m, n]`` tensor and the ``GUARD`` elements right after it, holding ``SENTINEL``."""
-    buf = torch.full((m * n + GUARD,), SENTINEL, device="cuda", dtype=dtype)
-    buf[: m * n] = float("nan")
-    return buf[: m * n].view(m, n), buf[m * n:]
-
-
 def _launch_with_guarded_workspace(tactic: Tactic, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor):
     """``out = x @ w.T`` as :func:`~kda_backend.providers.cute_provider.launch` runs it, with a split-K workspace
     ``[split_k, M, N]`` that is NaN-poisoned and followed by guard memory; returns that guard (``None`` without
@@ -352,7 +362,7 @@ def _launch_with_guarded_workspace(tactic: Tactic, x: torch.Tensor, w: torch.Ten
     if tactic.split_k == 1:
         kernel(x, w, out, None, None, None, None)
         return None
-    work, guard = _guarded(tactic.split_k, m * n, torch.float32)
+    work, guard = guarded(tactic.split_k, m * n, torch.float32)
     counters = arrival_counters.for_stream(torch.cuda.current_stream(), output_tiles(tactic, n, m))
     kernel(x, w, out, work.view(tactic.split_k, m, n), counters, None, None)
     return guard
@@ -390,7 +400,7 @@ def test_partial_row_block_matches_reference_and_stays_in_bounds(n, k, tactic, m
     w = w_rows[:n]
     outs = []
     for _ in range(2):
-        out, out_guard = _guarded(m, n)
+        out, out_guard = guarded(m, n)
         work_guard = _launch_with_guarded_workspace(tactic, x, w, out)
         torch.cuda.synchronize()
         assert (out_guard == SENTINEL).all(), "stored past the output"
@@ -421,7 +431,7 @@ def test_partial_row_block_in_the_trailing_side_chain(tp, m):
     runs = {}
     for mode in ("plain", "trailing"):
         (qkvg, qkvg_guard), (fab, fab_guard), (g1, g1_guard) = (
-            _guarded(m, c) for c in (g.qkvg_rows, g.fab_rows, g.local_width))
+            guarded(m, c) for c in (g.qkvg_rows, g.fab_rows, g.local_width))
         provider.run("qkvg", x, w["qkvg"], qkvg)
         if mode == "trailing":
             provider.trailing_launcher(trailing_calls(x, w["fab"], fab, w["fb"]))(x, w["fab"], fab, w["fb"], g1)

@@ -67,7 +67,9 @@ def test_row_strided_x_through_forced_cute_equals_contiguous_x(m, monkeypatch):
     base = torch.randn(2 * m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
     strided, contiguous = base[::2], base[::2].contiguous()
     assert strided.stride(0) == 2 * g.hidden_size
-    for a, b in zip(proj(strided), proj(contiguous)):
+    outs = proj(strided, *projection_outputs(m, g, "cuda"))
+    _assert_close_to_reference(outs, contiguous, w)
+    for a, b in zip(outs, proj(contiguous, *projection_outputs(m, g, "cuda"))):
         assert torch.equal(a, b)
     assert all(proj.provider(r, m).name == "cute" for r in ("qkvg", "fab", "fb"))
 
@@ -226,9 +228,10 @@ def test_the_fused_stage_without_f_b_computes_the_same_bits(m):
     w = _weights(8, packed=True)
     proj = KDAProjection(w, Plan.uniform(96, FUSED_CUTE))
     x = torch.randn(m, w.geometry.hidden_size, device="cuda", dtype=torch.bfloat16)
-    qkvg, _, beta = proj(x)
-    fab = torch.full((m, w.geometry.fab_rows), float("nan"), device="cuda", dtype=torch.bfloat16)
-    qkvg_alone, g1, beta_alone = proj(x, fab_out=fab, compute_fb=False)
+    qkvg, g1, beta = proj(x, *projection_outputs(m, w.geometry, "cuda"))
+    _assert_close_to_reference((qkvg, g1, beta), x, w)
+    qkvg_out, fab, _ = projection_outputs(m, w.geometry, "cuda")
+    qkvg_alone, g1, beta_alone = proj(x, qkvg_out=qkvg_out, fab_out=fab, compute_fb=False)
     assert g1 is None and proj.stage(m).mode == "fused"
     assert torch.equal(qkvg, qkvg_alone) and torch.equal(beta, beta_alone)
 
@@ -266,9 +269,10 @@ def _check_replay_equals_eager(m, packed, step, tactics=None, tp=8):
     x_static = torch.randn(m, g.hidden_size, device="cuda", dtype=torch.bfloat16)
 
     def model(x):
+        """Every layer's outputs, written into NaN-poisoned buffers (inside the graph, poisoned at each replay)."""
         outs = []
         for p in projs:
-            qkvg, g1, beta = p(x)
+            qkvg, g1, beta = p(x, *projection_outputs(m, g, "cuda"))
             outs.append((qkvg, g1, beta))
             x = (x.float() * 0.5 + qkvg[:, :1].float()).to(x.dtype)
         return outs

@@ -196,6 +196,8 @@ def test_breakable_capture_replays_equal_to_eager(tp, compute_fb, forks, monkeyp
                 first = layers[0]
                 ref = reference_projection(x_new, first.w_qkvg, first.w_fab, first.w_fb, g)
                 assert_close(static_outs[0][0], ref[0], f"qkvg bs={bs}")
+                # f_a, beta and the zero rows SGLang pads [f_a | b] to: what its fused decode reads.
+                assert_close(static_outs[0][1], x_new.float() @ first.w_fab.float().t(), f"fab bs={bs}")
                 if compute_fb:
                     assert_close(static_outs[0][2], ref[1], f"g1 bs={bs}")
         assert len(forks) == 2 * LAYERS * len(BATCH_SIZES), "replays and eager serving never fork"

@@ -266,10 +266,10 @@ def test_autotune_at_load_leaves_the_hosts_random_state_as_it_was(fake_gpu, monk
     same after planning as before it."""
     import kda_backend.autotune
 
-    tune = kda_backend.autotune.autotune
+    tune, drawn = kda_backend.autotune.autotune, []
 
     def drawing(geometry, device, ms=()):
-        torch.randn(1000)
+        drawn.append(torch.randn(1000))
         return tune(geometry, device, ms)
 
     monkeypatch.setattr(kda_backend.autotune, "autotune", drawing)
@@ -277,6 +277,7 @@ def test_autotune_at_load_leaves_the_hosts_random_state_as_it_was(fake_gpu, monk
     torch.manual_seed(1234)
     resolve_plan(G, torch.device("cuda", 0), batch_sizes=[1, 8])
     after = torch.randn(4)
+    assert len(drawn) == 1  # the tuning ran, drawing from the host's generator
     torch.manual_seed(1234)
     assert torch.equal(after, torch.randn(4))
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from numerics import assert_close, poisoned
+from numerics import SENTINEL, assert_close, guarded
 
 from kda_backend.kernels import compile_cache
 from kda_backend.kernels.arrival_counters import SPLIT_K_COUNTERS
@@ -293,9 +293,10 @@ def _check(tactic, m, n, seed=0):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16, generator=generator)
     w = torch.randn(n, K, device="cuda", dtype=torch.bfloat16, generator=generator) * K**-0.5
-    out, again = poisoned((m, n), (m, n), device="cuda")
+    (out, guard), (again, _) = guarded(m, n), guarded(m, n)
     launch(tactic, x, w, out)
     assert_close(out, x.float() @ w.float().t(), tactic.key())
+    assert (guard == SENTINEL).all(), f"{tactic.key()}: stored past the output"
     launch(tactic, x, w, again)
     assert torch.equal(out, again), tactic.key()
 

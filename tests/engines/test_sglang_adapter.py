@@ -517,7 +517,7 @@ def test_weights_loaded_without_post_load_weights_keep_sglang_method_with_one_wa
     layer = _build_layer(merge=False)
     x = torch.randn(3, HIDDEN).bfloat16()
     for _ in range(2):
-        assert layer.forward_qkvbfg_fused(x) is not None
+        _assert_same_outputs(layer.forward_qkvbfg_fused(x), _sglang_method(layer, x, False), "no post-load")
     assert layer._kda_projection is None
     assert sum("loaded without post_load_weights" in m for m in kda_log.messages()) == 1
 

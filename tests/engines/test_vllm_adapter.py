@@ -381,16 +381,21 @@ def test_weight_views_share_vllm_storage(injected, vllm_env):
 
 
 def test_forward_equals_vllm_forward(injected, vllm_env, monkeypatch):
-    """Our forward and vLLM's own forward, with vLLM's core stubbed: the same outputs and ``_forward`` inputs."""
+    """Our forward (through kda-backend's projection) and vLLM's own forward, with vLLM's core stubbed: the same
+    outputs and ``_forward`` inputs."""
     from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
+
+    from kda_backend import KDAProjection
 
     layer = _build_layer(vllm_env, seed=3)
     recorder = _Recorder()
     monkeypatch.setattr(layer, "_forward", recorder)
+    served, project = [], KDAProjection.__call__
+    monkeypatch.setattr(KDAProjection, "__call__", lambda self, x, *out: served.append(len(x)) or project(self, x, *out))
     x = torch.randn(5, HIDDEN).bfloat16()
     ours = layer.forward(x, torch.arange(5))
     theirs = KimiK3DeltaAttention.forward(layer, x, torch.arange(5))
-    assert torch.equal(ours, theirs)
+    assert served == [5] and torch.equal(ours, theirs)
     first, second = recorder.calls
     assert first.keys() == second.keys() == {"mixed_qkv", "g1", "g2", "beta", "core_attn_out"}
     for key in first:
