@@ -391,7 +391,8 @@ def test_forward_equals_vllm_forward(injected, vllm_env, monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(layer, "_forward", recorder)
     served, project = [], KDAProjection.__call__
-    monkeypatch.setattr(KDAProjection, "__call__", lambda self, x, *out: served.append(len(x)) or project(self, x, *out))
+    monkeypatch.setattr(KDAProjection, "__call__",
+                        lambda self, x, *out: served.append(len(x)) or project(self, x, *out))
     x = torch.randn(5, HIDDEN).bfloat16()
     ours = layer.forward(x, torch.arange(5))
     theirs = KimiK3DeltaAttention.forward(layer, x, torch.arange(5))
