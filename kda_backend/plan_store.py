@@ -172,14 +172,14 @@ def read_file(path: Path) -> tuple[dict[str, Any], Plan]:
     return parse(data)
 
 
-def check_writable(folder: Path | None = None) -> Path:
-    """The plan folder (the cache folder by default), created if missing, after proving a file can be written in
-    it: what a caller checks before minutes of tuning whose result it will store.
+def check_writable() -> Path:
+    """The plan folder (the cache folder), created if missing, after proving a file can be written in it: what a
+    caller checks before minutes of tuning whose result it will store.
 
     :raises ValueError: the folder is a file, a dangling symbolic link or a link loop.
     :raises OSError: it cannot be created or written.
     """
-    folder = folder or hooks.cache_dir()
+    folder = hooks.cache_dir()
     problem = folder_problem(folder)
     if problem is not None:
         raise ValueError(f"cannot store plans in {folder}: {problem}")
@@ -223,9 +223,9 @@ def save(
     return path
 
 
-def load_file(path: Path, key: dict[str, Any] | None = None) -> Plan | None:
-    """Read a plan file; ``None`` (with one warning naming the file and the problem) if it is unreadable, outside
-    the schema or made for another key; ``None`` without a warning if it does not exist."""
+def load_file(path: Path, key: dict[str, Any]) -> Plan | None:
+    """Read a plan file made for ``key``; ``None`` (with one warning naming the file and the problem) if it is
+    unreadable, outside the schema or made for another key; ``None`` without a warning if it does not exist."""
     try:
         found, plan = read_file(path)
     except FileNotFoundError:
@@ -234,7 +234,7 @@ def load_file(path: Path, key: dict[str, Any] | None = None) -> Plan | None:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         warn_once(f"plan-corrupt-{path}", f"ignoring unreadable plan {path}: {reason}")
         return None
-    if key is not None and found != key:
+    if found != key:
         differences = key_differences(found, key)
         fields = sorted({d.split(":")[0].split(".")[0] for d in differences})
         warn_once(f"plan-mismatch-{path}", f"ignoring plan {path}: made for another {', '.join(fields)} "

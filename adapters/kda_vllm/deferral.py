@@ -34,9 +34,9 @@ class InjectOnLoad(_BaseRegisteredModel):
         return model_cls
 
 
-def defer_injection() -> list[str]:
-    """Wrap the registry entries of the Kimi-K3 architectures (idempotent; all or none); the architectures wrapped
-    now. An entry another plugin registered for one of those names is left alone."""
+def defer_injection() -> None:
+    """Wrap the registry entries of the Kimi-K3 architectures (idempotent; all or none). An entry another plugin
+    registered for one of those names is left alone."""
     wrapped = {
         arch: InjectOnLoad(entry)
         for arch, entry in ModelRegistry.models.items()
@@ -44,7 +44,6 @@ def defer_injection() -> list[str]:
         and (entry.module_name == K3_MODULE or entry.module_name.startswith(K3_MODULE + "."))
     }
     ModelRegistry.models.update(wrapped)
-    return sorted(wrapped)
 
 
 def inject() -> None:

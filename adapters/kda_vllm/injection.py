@@ -43,10 +43,10 @@ class VllmHost:
         return broadcast_from_rank0(parallel_state, plan)
 
 
-def install() -> bool:
-    """Register the layer subclass through ``PluggableLayer.register_oot`` (idempotent); True if it was injected
-    now, False if it already was or another plugin owns the seam. The host plugin is registered by each layer when
-    its weights are loaded."""
+def install() -> None:
+    """Register the layer subclass through ``PluggableLayer.register_oot`` (idempotent; nothing where it already
+    is, or where another plugin owns the seam). The host plugin is registered by each layer when its weights are
+    loaded."""
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
     from vllm.platforms import current_platform
@@ -57,15 +57,14 @@ def install() -> bool:
         # vLLM builds its AMD (or the reference) KDA layer there, a class of the same name; the registry is keyed by
         # that name, so a replacement would reach it too.
         get_logger().info("vLLM on %s: kda-backend does not inject (CUDA only)", current_platform.device_type)
-        return False
+        return
     registered = op_registry_oot.get(KimiK3DeltaAttention.__name__)
     if registered is KdaBackendKimiK3DeltaAttention:
-        return False
+        return
     if registered is not None:
         get_logger().warning("another plugin replaced KimiK3DeltaAttention (%s); kda-backend stays out", registered)
-        return False
+        return
     KimiK3DeltaAttention.register_oot(KdaBackendKimiK3DeltaAttention)
-    return True
 
 
 def register_host() -> None:
