@@ -7,6 +7,7 @@ folder that cannot be one, or a plugin that was dropped is reported as a row, ne
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import importlib.util
 import platform
@@ -73,19 +74,26 @@ def _cache() -> dict[str, Any]:
     try:
         path = hooks.cache_dir()
     except ValueError as exc:
-        return {"dir": None, "exists": False, "plans": [], "kernels": {"versions": 0, "mb": 0.0}, "error": str(exc)}
+        return {"dir": None, "exists": False, "plans": [], "kernels": {"versions": 0, "loose": 0, "mb": 0.0},
+                "error": str(exc)}
     files = sorted(p.name for p in path.glob("*.json")) if path.is_dir() else []
     return {"dir": str(path), "exists": path.is_dir(), "plans": files, "kernels": _kernels(path / "kernels")}
 
 
 def _kernels(folder: Path) -> dict[str, Any]:
-    """The compiled kernels' object files in ``folder`` (one subfolder per code version): how many code versions
-    hold them and their megabytes (a version no process used for 30 days is removed at the next use)."""
+    """The compiled kernels' object files in ``folder``: how many code versions (subfolders) hold them, how many
+    lie outside any (removed 30 days after they were written), and their megabytes (a version no process marked
+    used for 30 days is removed at the next use)."""
+    sizes: dict[Path, int] = {}
     try:
-        files = [(path.parent, path.stat().st_size) for path in folder.glob("*/kda_gemm_*.o")]
+        paths = [*folder.glob("kda_gemm_*.o"), *folder.glob("*/kda_gemm_*.o")]
     except OSError:  # a folder this user may not read
-        files = []
-    return {"versions": len({parent for parent, _ in files}), "mb": round(sum(size for _, size in files) / 1e6, 1)}
+        paths = []
+    for path in paths:
+        with contextlib.suppress(OSError):  # removed meanwhile
+            sizes[path] = path.stat().st_size
+    return {"versions": len({path.parent for path in sizes if path.parent != folder}),
+            "loose": sum(path.parent == folder for path in sizes), "mb": round(sum(sizes.values()) / 1e6, 1)}
 
 
 def _providers(packages: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -168,6 +176,7 @@ def render(report: dict[str, Any]) -> str:
     else:
         rows.append(("cache", f"{cache['dir']} ({plans})" if cache["exists"] else f"{cache['dir']} (absent)"))
         kernels = cache["kernels"]
-        rows.append(("kernels", f"{kernels['mb']} MB compiled for {kernels['versions']} code version(s)"))
+        loose = f", {kernels['loose']} outside any version" if kernels["loose"] else ""
+        rows.append(("kernels", f"{kernels['mb']} MB compiled for {kernels['versions']} code version(s){loose}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

@@ -44,8 +44,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "KDA_BACKEND_BLOCK_PLUGINS",
         "",
-        "Comma-separated entry-point plugin names not to register; a name that no installed plugin has, or a "
-        "built-in plugin's (which stays registered), is warned about.",
+        "Comma-separated names of plugins not to register: entry-point plugins, the engine host plugins "
+        "(`vllm-host`, `sglang-host`) or any name given to `register_plugin`; a built-in plugin's name (it stays "
+        "registered) and a name no installed plugin has are warned about.",
     ),
     EnvVar(
         "KDA_BACKEND_PROVIDER",

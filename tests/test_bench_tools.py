@@ -219,7 +219,8 @@ def test_cluster_policy_reaches_the_launch(tools_on_path, monkeypatch, tmp_path)
     driver_default = cuda_dialect.launch_ex
     monkeypatch.setattr(cuda_dialect, "launch_ex", driver_default)  # restored after the test
     n, k = 768, 1024
-    key = compile_cache.KernelKey(WgmmaTactic(96, 64, 64, 4, 1, True, True, 2).for_tokens(128), n, k, k, k, "sm_90a")
+    tactic = WgmmaTactic(96, 64, 64, 4, tokens_on_m=True, weight_cluster=2).for_tokens(128)
+    key = compile_cache.KernelKey(tactic, n, k, k, k, "sm_90a")
 
     def exported(name):
         path = tmp_path / f"{name}.o"

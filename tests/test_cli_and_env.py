@@ -18,6 +18,7 @@ def test_doctor_json_reports_machine(capsys, tmp_path, monkeypatch):
     for version, size in (("0123456789abcdef", 300_000), ("fedcba9876543210", 200_000)):
         (tmp_path / "kernels" / version).mkdir(parents=True)
         (tmp_path / "kernels" / version / "kda_gemm_a.o").write_bytes(bytes(size))
+    (tmp_path / "kernels" / "kda_gemm_b.o").write_bytes(bytes(100_000))
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["python"] == sys.version.split()[0]
@@ -27,7 +28,7 @@ def test_doctor_json_reports_machine(capsys, tmp_path, monkeypatch):
     assert report["engines"]["vllm"]["entry_point_group"] == "vllm.general_plugins"
     assert "torch" in report["providers"]
     assert report["cache"] == {"dir": str(tmp_path), "exists": True, "plans": ["plan-x.json"],
-                               "kernels": {"versions": 2, "mb": 0.5}}
+                               "kernels": {"versions": 2, "loose": 1, "mb": 0.6}}
 
 
 def test_doctor_table(capsys):

@@ -606,8 +606,8 @@ def _version_folder(parent: Path, name: str, days: float, files=("kda_gemm_a.o",
 
 def test_first_use_of_a_kernel_folder_removes_code_versions_unused_for_30_days(kernel_cache, kda_log):
     """A kernel folder keeps one folder per code version; a process's first use of it marks its own version used
-    and removes other versions no process used for 30 days. Versions used since, anything not named as a version
-    folder and folders reached through links stay, without a word."""
+    and removes other versions no process marked for 30 days, and object files outside any version folder as old.
+    Versions used since, anything not named as ours and folders reached through links stay, without a word."""
     from kda_backend.kernels import compile_cache
 
     current = _version_folder(kernel_cache, compile_cache.CODE_VERSION, days=40, files=())
@@ -615,18 +615,20 @@ def test_first_use_of_a_kernel_folder_removes_code_versions_unused_for_30_days(k
     recent = _version_folder(kernel_cache, "fedcba9876543210", days=29)
     other = _version_folder(kernel_cache, "backup", days=90)
     elsewhere = _version_folder(kernel_cache.parent / "elsewhere", "aaaaaaaaaaaaaaaa", days=90)
-    (kernel_cache / "bbbbbbbbbbbbbbbb").symlink_to(elsewhere)
-    loose = kernel_cache / "kda_gemm_0f.o"
-    loose.write_bytes(b"o")
-    _aged(loose, 90)
+    link = kernel_cache / "bbbbbbbbbbbbbbbb"
+    link.symlink_to(elsewhere)
+    _aged(link, 90)
+    loose_old, loose_new, notes = (kernel_cache / name for name in ("kda_gemm_0f.o", "kda_gemm_1f.o", "notes.txt"))
+    for path, days in ((loose_old, 31), (loose_new, 0), (notes, 90)):
+        path.write_bytes(b"o")
+        _aged(path, days)
 
     cache = compile_cache.CompiledGemms()
     key = _small_key()
     assert cache.get(key, kernel_cache) is not None
-    assert not unused.exists()
-    assert all(p.exists() for p in (recent / "kda_gemm_a.o", other / "kda_gemm_a.o", elsewhere / "kda_gemm_a.o",
-                                    loose))
-    assert time.time() - current.stat().st_mtime < 60  # marked used
+    assert not unused.exists() and not loose_old.exists()
+    kept = (recent / "kda_gemm_a.o", other / "kda_gemm_a.o", elsewhere / "kda_gemm_a.o", loose_new, notes)
+    assert all(path.exists() for path in kept)
     assert (current / f"kda_gemm_{compile_cache.fingerprint(key)}.o").exists()
     assert kda_log.messages() == []
 
@@ -635,6 +637,23 @@ def test_first_use_of_a_kernel_folder_removes_code_versions_unused_for_30_days(k
     assert recent.exists()
     compile_cache.CompiledGemms().get(key, kernel_cache)  # as in a new process
     assert not recent.exists() and current.exists()
+
+
+def test_a_process_that_only_loads_kernels_marks_its_version_used(kernel_cache, monkeypatch):
+    """A process whose kernels all load from the folder (writing nothing there) still marks its version used; a
+    version folder it makes takes the kernel folder's permission bits (a group-writable cache stays so)."""
+    from kda_backend.kernels import compile_cache
+
+    kernel_cache.mkdir(parents=True)
+    os.chmod(kernel_cache, 0o775)
+    key = _small_key()
+    compile_cache.CompiledGemms().get(key, kernel_cache)
+    current = kernel_cache / compile_cache.CODE_VERSION
+    assert stat.S_IMODE(current.stat().st_mode) == 0o775
+    _aged(current, 40)
+    monkeypatch.setattr(compile_cache, "compile_gemm", lambda key: pytest.fail("a kernel on disk was compiled"))
+    compile_cache.CompiledGemms().get(key, kernel_cache)
+    assert time.time() - current.stat().st_mtime < 60
 
 
 def test_code_version_that_cannot_be_removed_warns_once_and_serves(kernel_cache, kda_log):
@@ -672,14 +691,35 @@ def test_code_version_removed_by_another_process_meanwhile_is_no_failure(kernel_
     assert not folder.exists() and kda_log.messages() == []
 
 
-def test_kernel_folder_this_process_may_not_write_is_left_alone(kernel_cache, kda_log, monkeypatch):
-    """A cache another user filled (its folder not writable here) loses nothing, and nothing is said."""
+@pytest.mark.parametrize("unwritable", ["kernel folder", "version folder"])
+def test_folders_this_process_may_not_write_are_left_alone(unwritable, kernel_cache, kda_log, monkeypatch):
+    """A cache another user filled, or another user's version folder in a shared one (neither writable here), loses
+    nothing, and nothing is said (other processes of that user remove it)."""
     from kda_backend import cache_files
 
     folder = _version_folder(kernel_cache, "0123456789abcdef", days=31)
-    monkeypatch.setattr(cache_files.os, "access", lambda path, mode: False)
+    refused = str(kernel_cache if unwritable == "kernel folder" else folder)
+    access = os.access
+    monkeypatch.setattr(cache_files.os, "access", lambda path, mode: str(path) != refused and access(path, mode))
     cache_files.remove_unused_versions(kernel_cache, "ffffffffffffffff", "[0-9a-f]{16}", ("kda_gemm_*.o",))
     assert (folder / "kda_gemm_a.o").exists() and kda_log.messages() == []
+
+
+def test_code_version_stored_into_meanwhile_stays_without_a_word(kernel_cache, kda_log, monkeypatch):
+    """A process of an unused version that stores a kernel into its folder while another removes it keeps the
+    folder (in use again), and nothing is said."""
+    from kda_backend import cache_files
+
+    folder = _version_folder(kernel_cache, "0123456789abcdef", days=31)
+    rmdir = Path.rmdir
+
+    def stored_meanwhile(path):
+        (path / "kda_gemm_new.o").write_bytes(b"o")
+        return rmdir(path)
+
+    monkeypatch.setattr(Path, "rmdir", stored_meanwhile)
+    cache_files.remove_unused_versions(kernel_cache, "ffffffffffffffff", "[0-9a-f]{16}", ("kda_gemm_*.o", ".tmp-*"))
+    assert [p.name for p in folder.iterdir()] == ["kda_gemm_new.o"] and kda_log.messages() == []
 
 
 def _stage_calls(tp=8, row_multiple=16):

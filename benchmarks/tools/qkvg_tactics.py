@@ -30,8 +30,8 @@ from stage_operands import (
     kimi_k3,
     overlapped_time,
     parse_tactic,
-    tag_cluster_policy,
     tactic_or_default,
+    tag_cluster_policy,
     token_counts,
 )
 

@@ -12,10 +12,11 @@ toolchain versions as this process imported them, the fingerprint the key too, s
 never loads a stale binary, and a process serving on while the package is upgraded under it never stores its
 binaries under the new code's name. The files are shared by every TP rank and user of the machine
 (:mod:`kda_backend.cache_files`); a folder this process may not read or write costs a compile. The first use of a
-folder in a process marks its code version used and removes the versions no process used for 30 days.
+folder in a process marks its code version used and removes the versions no process marked for 30 days
+(:func:`~kda_backend.cache_files.remove_unused_versions`).
 
-On a machine without a GPU, ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``) selects the target, so CI compiles every
-kernel for every architecture.
+On a machine without a GPU, ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``) selects the target, so CI compiles each
+kernel for the architectures it serves (the mma.sync kernels for both, the wgmma ones for SM 9.x).
 """
 
 from __future__ import annotations
