@@ -96,7 +96,7 @@ def _remove_if_unused(entry: os.DirEntry, current: str, version_name: str, patte
             or not os.access(entry.path, os.W_OK)):
         return
     folder = Path(entry.path)
-    for path in [path for pattern in patterns for path in folder.glob(pattern)]:
+    for path in [path for path in folder.iterdir() if _matches(path.name, patterns)]:
         path.unlink(missing_ok=True)
     try:
         folder.rmdir()
