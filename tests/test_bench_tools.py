@@ -203,34 +203,3 @@ def test_qkvg_tactics_checks_the_side_chain_it_times(tools_on_path):
     assert side_chain_errors(ops, w, side) == "fab ok, g1 ok"
     assert side_chain_errors(ops, w, lambda i: side(i, fb=False)) == "fab ok, g1 NaN in its output"
     assert side_chain_errors(ops, w, lambda i: side(i, scale=2)).startswith("fab relative error")
-
-
-def test_cluster_policy_reaches_the_launch(tools_on_path, monkeypatch, tmp_path):
-    """``--cluster-policy`` changes the compiled launch of a clustered kernel: the exported objects of the default
-    and of each policy differ (and one build is reproducible), with the shared-memory carveout still tagged."""
-    from cutlass._mlir.dialects import cuda as cuda_dialect
-    from stage_operands import CLUSTER_POLICIES, tag_cluster_policy
-
-    from kda_backend.kernels import compile_cache
-    from kda_backend.kernels.wgmma_gemm import WgmmaTactic
-
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.setattr(compile_cache, "warn_once", lambda key, message: pytest.fail(message))
-    driver_default = cuda_dialect.launch_ex
-    monkeypatch.setattr(cuda_dialect, "launch_ex", driver_default)  # restored after the test
-    n, k = 768, 1024
-    tactic = WgmmaTactic(96, 64, 64, 4, tokens_on_m=True, weight_cluster=2).for_tokens(128)
-    key = compile_cache.KernelKey(tactic, n, k, k, k, "sm_90a")
-
-    def exported(name):
-        path = tmp_path / f"{name}.o"
-        compile_cache.compile_gemm(key).export_to_c(str(path), function_name="f")
-        return path.read_bytes()
-
-    objects = [exported("default")]
-    assert exported("default-again") == objects[0]
-    for policy in CLUSTER_POLICIES:
-        cuda_dialect.launch_ex = driver_default
-        tag_cluster_policy(policy)
-        objects.append(exported(policy))
-    assert len(set(objects)) == 1 + len(CLUSTER_POLICIES)

@@ -10,12 +10,9 @@ kernel family). For each wgmma tactic the fused stage takes (tokens on M, or swa
 fused stage with it as QKVG's tactic (``kda_backend.kernels.wgmma_stage``) follows, its outputs checked the same way.
 Times are medians of 50 replays of a CUDA graph of 24 layers whose weights rotate over 6 copies. This is the A/B tool
 behind most lever measurements in benchmarks/RESULTS.md: run it once per build, builds alternated.
-``--cluster-policy`` launches every kernel with that CUDA cluster scheduling policy preference (``spread``: the CTAs
-of a cluster on different SMs), for A/B runs of the clustered tactics against the driver's default placement.
 
 Example (GPU): python benchmarks/tools/qkvg_tactics.py 1,8,16 n48k256s4p,n64k256s4p n16k128s3x14p n16k128s3pL
                python benchmarks/tools/qkvg_tactics.py --tp 4 72,96 w96k64s8mp
-               python benchmarks/tools/qkvg_tactics.py --cluster-policy spread 96,128 w96k64s5mc2p,w96k64s11mc2p
 """
 
 from __future__ import annotations
@@ -24,14 +21,12 @@ import argparse
 
 import torch
 from stage_operands import (
-    CLUSTER_POLICIES,
     TACTIC_HELP,
     StageOperands,
     kimi_k3,
     overlapped_time,
     parse_tactic,
     tactic_or_default,
-    tag_cluster_policy,
     token_counts,
 )
 
@@ -50,16 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("fab", nargs="?", help="F_A/beta's tactic in the side chain (default: its default tactic)")
     ap.add_argument("fb", nargs="?", help="F_B's tactic in the side chain (default: its default tactic)")
     ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the Kimi-K3 shapes (default 8)")
-    ap.add_argument("--cluster-policy", choices=CLUSTER_POLICIES,
-                    help="CUDA cluster scheduling policy preference of every launch (default: the driver's)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     g, weights, aux = kimi_k3(args.tp)
-    if args.cluster_policy:
-        tag_cluster_policy(args.cluster_policy)
     bandwidth = copy_bandwidth()
     qkvg_floor = weights[0].w_qkvg.numel() * 2 / bandwidth * 1e6
     print(f"TP {args.tp}: copy bandwidth {bandwidth / 1e12:.3f} TB/s, QKVG floor {qkvg_floor:.2f} us", flush=True)

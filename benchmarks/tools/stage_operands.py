@@ -132,28 +132,6 @@ def overlapped_time(main: Callable[[int], None], side: Callable[[int], None], au
     return graph_time_per_layer(lambda i: schedulers[i].run(lambda: main(i), lambda: side(i), aux), layers=LAYERS)
 
 
-CLUSTER_POLICIES = ("spread", "load-balancing")
-
-
-def tag_cluster_policy(policy: str) -> None:
-    """Give every kernel launch compiled from now on in this process the CUDA cluster scheduling policy preference
-    ``policy`` (:data:`CLUSTER_POLICIES`; without it the driver's default). The tools compile in memory, never from
-    the kernel cache, so no binary built without it is reused."""
-    from cutlass._mlir.dialects import cuda as cuda_dialect
-    from cutlass._mlir.dialects._cuda_enum_gen import CudaClusterSchedulingPolicy
-
-    value = {"spread": CudaClusterSchedulingPolicy.cudaClusterSchedulingPolicySpread,
-             "load-balancing": CudaClusterSchedulingPolicy.cudaClusterSchedulingPolicyLoadBalancing}[policy]
-    original = cuda_dialect.launch_ex
-
-    def launch_ex(callee, launch_cfg, inputs, **kwargs):
-        cuda_dialect.launch_cfg_cluster_scheduling_policy(launch_cfg, value, loc=kwargs.get("loc"),
-                                                          ip=kwargs.get("ip"))
-        return original(callee, launch_cfg, inputs, **kwargs)
-
-    cuda_dialect.launch_ex = launch_ex
-
-
 def read_plan(path: Path, name: str) -> Plan:
     """The plan stored at ``path``; exits naming the argument ``name``, the file and the problem if it is unreadable."""
     try:
