@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"alone {alone:6.2f} us ({alone / qkvg_floor:.3f}x) stage {stage:6.2f} us (+{stage - alone:4.2f})",
                   flush=True)
             shapes = (g.qkvg_rows, g.fab_rows, g.local_width, g.hidden_size, g.head_dim)
-            # The fused stage runs one token tile: a tactic with a fixed tile below M has none.
-            one_tile = isinstance(t_qkvg, WgmmaTactic) and t_qkvg.block_t >= m
+            # The fused stage runs one token tile (a weight cluster's tiles in one cluster): a tactic with a fixed
+            # tile below M has none.
+            one_tile = isinstance(t_qkvg, WgmmaTactic) and t_qkvg.block_t * t_qkvg.weight_cluster >= m
             if one_tile and validate_stage(t_qkvg, *shapes) is None:
                 seconds, errors = fused_stage(ops, weights, WgmmaStage(t_qkvg, *shapes))
                 print(f"M={m:2} {t_qkvg.key():20} fused stage {seconds * 1e6:6.2f} us "

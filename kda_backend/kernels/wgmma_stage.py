@@ -132,8 +132,8 @@ class StagePlan:
 
     @property
     def fb_resident(self) -> bool:
-        """Whether F_B runs as 64-row passes over one resident f_a tile (the swap-AB form)."""
-        return not self.qkvg.tokens_on_m
+        """Whether F_B runs as 64-row passes over one resident f_a tile (the side chain's swap-AB form)."""
+        return not self.fab.tokens_on_m
 
     def fb_smem_bytes(self) -> int:
         """F_B's shared memory: one pass's ring, which the passes take in turn (tokens on M), or every pass's W_fb
@@ -157,26 +157,33 @@ class StagePlan:
 def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int, k: int, d: int,
                sms: int = SMS) -> StagePlan | str:
     """The :class:`StagePlan` of QKVG ``tactic`` on ``sms`` SMs, or why these shapes do not fit the fused stage."""
-    if not (tactic.tokens_on_m or tactic.padded_rows) or tactic.split_k != 1 or tactic.weight_cluster != 1:
-        return (f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m or padded-rows tactic without a "
-                "weight cluster")
-    qkvg_ctas = row_blocks(qkvg_rows, tactic.block_n)
+    if not (tactic.tokens_on_m or tactic.padded_rows) or tactic.split_k != 1:
+        return f"tactic {tactic.key()}: the fused stage takes an unsplit tokens_on_m or padded-rows tactic"
+    cluster = tactic.weight_cluster
+    if cluster > 1 and tactic.consumer_warpgroups > 1:
+        return (f"tactic {tactic.key()}: the fused stage takes a weight cluster's token tiles in one consumer "
+                "warpgroup each")
+    qkvg_ctas = row_blocks(qkvg_rows, tactic.block_n) * cluster
     side = sms - qkvg_ctas
     if side < 1:
-        return f"QKVG's {qkvg_ctas} row blocks leave none of {sms} SMs to the side chain"
+        return f"QKVG's {qkvg_ctas} CTAs leave none of {sms} SMs to the side chain"
+    if side % cluster:
+        return f"QKVG's {qkvg_ctas} CTAs leave {side} of {sms} SMs, not whole clusters of {cluster}"
     fab_block = -(-fab_rows // (side * 8)) * 8
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
     # Where QKVG takes tokens on M in two consumer warpgroups (above 64 tokens), F_B's passes one after another on
     # the side-chain CTAs end well after QKVG: F_B runs as a tail on QKVG's CTAs instead (see WIDE_TOKENS_ON_M_STAGES).
     tail = tactic.tokens_on_m and tactic.consumer_warpgroups > 1
+    # A weight cluster's CTAs each hold a share of M's tokens; its side chain runs swap-AB over all of them.
+    swap_ab_side = not tactic.tokens_on_m or cluster > 1
     split = None
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
         fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False)
         passes = 1
-    elif tactic.tokens_on_m:
+    elif not swap_ab_side:
         # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
         # a multiple of 8 within the MMA's N.
         share = fb_rows // side if fb_rows % side == 0 else 0
@@ -190,18 +197,22 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     else:
         # Swap-AB: F_A/beta split along K over pairs of side-chain CTAs where the SMs QKVG leaves hold them (see
         # split_side_chain); F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
-        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k)
+        # Beside a weight cluster's 128 CTAs (Kimi-K3 TP 8: 96 rows each) only 4 SMs are left: F_A/beta's 144 rows
+        # split in two pairs of 72, two padded atoms each.
+        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k, atoms=2 if cluster > 1 else 1)
         if split is not None:
             fab_block, side = split
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
         passes = fb_rows // (side * ATOM_ROWS)
-        fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t, d // 64, pdl=False)
+        fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t * cluster, d // 64, pdl=False)
     # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
     # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB its MMAs bound it, so there it
     # splits K where the free SMs hold the pairs (split_side_chain).
-    fab_probe = dataclasses.replace(tactic, block_n=fab_block, stages=1, split_k=CLUSTER_SPLIT_K if split else 1)
+    fab_probe = dataclasses.replace(tactic, block_n=fab_block, block_t=tactic.block_t * cluster, stages=1,
+                                    split_k=CLUSTER_SPLIT_K if split else 1, tokens_on_m=not swap_ab_side,
+                                    weight_cluster=1)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
@@ -221,10 +232,12 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     return reason or found
 
 
-def split_side_chain(qkvg_ctas: int, free: int, fab_rows: int, fb_rows: int, k: int) -> tuple[int, int] | None:
-    """``(rows, ctas)``: F_A/beta's row blocks of ``rows`` (one padded 64-row atom), each split along K over a pair of
-    side-chain CTAs in a thread-block cluster, on ``ctas`` of the ``free`` SMs that QKVG's ``qkvg_ctas`` CTAs leave,
-    F_B's ``fb_rows`` then in whole 64-row passes over them; the most CTAs that fit, or ``None``.
+def split_side_chain(qkvg_ctas: int, free: int, fab_rows: int, fb_rows: int, k: int,
+                     atoms: int = 1) -> tuple[int, int] | None:
+    """``(rows, ctas)``: F_A/beta's row blocks of ``rows`` (padded to at most ``atoms`` 64-row atoms), each split
+    along K over a pair of side-chain CTAs in a thread-block cluster, on ``ctas`` of the ``free`` SMs that QKVG's
+    ``qkvg_ctas`` CTAs leave, F_B's ``fb_rows`` then in whole 64-row passes over them; the most CTAs that fit, or
+    ``None``.
 
     Why: above 64 tokens a side-chain CTA is bound by its MMAs, not its loads. One 64-row atom over all of K keeps an
     SM's tensor cores busy 18 us at 128 tokens on H200, whether 40 of its rows are real or 64 (4 CTAs alone, Kimi-K3
@@ -232,7 +245,7 @@ def split_side_chain(qkvg_ctas: int, free: int, fab_rows: int, fb_rows: int, k: 
     F_B after it (benchmarks/results/levers/fused-stage-split-side-chain/)."""
     if (k // 64) % CLUSTER_SPLIT_K:
         return None
-    for rows in range(8, ATOM_ROWS, 8):
+    for rows in (r for r in range(8, atoms * ATOM_ROWS, 8) if r % ATOM_ROWS):
         ctas = CLUSTER_SPLIT_K * row_blocks(fab_rows, rows)
         if ctas <= free and (ctas + qkvg_ctas) % CLUSTER_SPLIT_K == 0 and fb_rows % (ctas * ATOM_ROWS) == 0:
             return rows, ctas
@@ -338,9 +351,14 @@ class WgmmaStage:
         m_fa = cute.make_tensor(m_fab.iterator, cute.make_layout((m_fab.shape[0], self.d), stride=(self.fab_rows, 1)))
         b_ops = self.fb._operands(m_w_fb, m_fa)
         outs = [cute.make_tensor(o.iterator, cute.select(o.layout, mode=[1, 0])) for o in (m_qkvg, m_fab, m_g1)]
-        grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n), 1, 1)
-        # With F_A/beta split in clusters every CTA of the grid is in one (QKVG's pairs never synchronize).
-        cluster = [CLUSTER_SPLIT_K, 1, 1] if p.fab.in_cluster else None
+        grid = (p.side + row_blocks(self.qkvg.n, p.qkvg.block_n) * p.qkvg.weight_cluster, 1, 1)
+        # With F_A/beta split in clusters, or QKVG's token tiles sharing weights in them, every CTA of the grid is in
+        # one (side-chain pairs and QKVG's clusters never synchronize with each other).
+        cluster = None
+        if cutlass.const_expr(p.qkvg.weight_cluster > 1):
+            cluster = [p.qkvg.weight_cluster, 1, 1]
+        elif cutlass.const_expr(p.fab.in_cluster):
+            cluster = [CLUSTER_SPLIT_K, 1, 1]
         self.stage_kernel(*q_ops, *f_ops, *b_ops, *outs, m_chain).launch(
             grid=grid, block=[p.qkvg.threads, 1, 1], cluster=cluster, smem=self.smem_bytes(), stream=stream,
             use_pdl=p.qkvg.pdl,
@@ -379,8 +397,10 @@ class WgmmaStage:
                     if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
                         self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx - p.side, 1)
             mainloop, s_w, s_x, s_x_box = self.qkvg._pipeline_on(barriers, ring, dtype, q_s_w, q_s_x, q_s_x_box)
+            # A weight cluster's CTAs are its row block's token tiles, the cluster rank the token tile.
+            row_block, token_tile = (bidx - p.side) // p.qkvg.weight_cluster, (bidx - p.side) % p.qkvg.weight_cluster
             self.qkvg._tile_per_cta(mainloop, q_w_tma, q_w_src, q_x_tma, q_x_src, s_w, s_x, s_x_box, ring, m_qkvg_t,
-                                    None, None, None, q_mma, warp, tidx, bidx - p.side, 0, 0)
+                                    None, None, None, q_mma, warp, tidx, row_block, token_tile, 0)
             if cutlass.const_expr(p.fb_tail):
                 if bidx - p.side < p.waiters(self.fb.n):
                     self._wait_for_side_chain(m_chain, tidx)
