@@ -2,8 +2,8 @@
 then F_B) on the SMs QKVG leaves free, all as ``wgmma`` tiles of one grid. No fork and no second launch: the same
 schedule, and the same bits, on every host, eager or in any graph mode.
 
-Two forms, by QKVG's tactic; F_A/beta and F_B take QKVG's form and token tile, so every CTA runs as many consumer
-warpgroups as QKVG's:
+Three forms, by QKVG's tactic; F_A/beta and F_B take QKVG's form and token tile (but beside a weight cluster), so
+every CTA runs as many consumer warpgroups as QKVG's:
 
 - tokens on the MMA's M side (:attr:`WgmmaTactic.tokens_on_m`), up to 64 tokens in one consumer warpgroup, or up to
   :data:`WIDE_TOKENS_ON_M_MAX_M` in two where QKVG's CTAs own 64 rows or more (Kimi-K3 TP 4: 96): F_B in at least
@@ -16,12 +16,17 @@ warpgroups as QKVG's:
   rows wider than tokens on M would take (:data:`PADDED_ROWS_WIDER`): where the SMs they leave hold them, F_A/beta's
   row blocks split along K over pairs of side-chain CTAs in thread-block clusters (:func:`split_side_chain`), then F_B
   in 64-row passes over a resident f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass,
-  and the passes' MMAs run as their tiles land.
+  and the passes' MMAs run as their tiles land;
+- tokens on M with the two token tiles of each row block sharing every weight tile in a cluster
+  (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): the side chain then runs swap-AB over both tiles'
+  tokens, as above; beside 128 such CTAs (Kimi-K3 TP 8: 96 rows each) F_A/beta splits along K over two pairs of
+  72-row blocks, two padded atoms each.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
-  the stage's tactic, one CTA each; ``side`` is what QKVG leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG
-  CTAs of 48 rows), or with F_A/beta split the pairs :func:`split_side_chain` places there (12 of the 22 that 110
-  CTAs of 56 rows leave). One token tile: M up to the tactic's ``block_t``.
+  the stage's tactic, one CTA each (with a weight cluster one per token tile, in a cluster); ``side`` is what QKVG
+  leaves of the SMs (4 of 132 for Kimi-K3 TP 8: 128 QKVG CTAs of 48 rows), or with F_A/beta split the pairs
+  :func:`split_side_chain` places there (12 of the 22 that 110 CTAs of 56 rows leave). One token tile (a weight
+  cluster's tiles): M up to the tactic's ``block_t`` (times the cluster).
 - Side-chain CTA ``i`` first asks L2 for its W_fb tiles (TMA prefetch), then computes F_A/beta's row block ``i``
   (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's, in the deepest ring an SM holds, so it finishes first;
   split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together),
