@@ -105,10 +105,10 @@ def test_threads_and_shared_memory():
     "tactic,n,k,xs,match",
     [
         (WgmmaTactic(), 100, K, K, "N=100 must be a multiple of 8"),
-        (WgmmaTactic(block_n=136), QKVG_TP8, K, K, "block_n=136 must be one of (64, 128, 256), or a multiple of 8"),
+        (WgmmaTactic(block_n=96), QKVG_TP8, K, K, "block_n=96 must be one of (64, 128, 256), or a multiple of 8"),
         (WgmmaTactic(block_n=44), QKVG_TP8, K, K, "block_n=44 must be one of (64, 128, 256), or a multiple of 8"),
-        (WgmmaTactic(block_n=48, block_k=128, stages=4), QKVG_TP8, K, K, "padded rows load in 8-row boxes"),
-        (WgmmaTactic(block_n=48, split_k=4), QKVG_TP8, K, K, "split_k=4: padded rows run unsplit or split in a"),
+        (WgmmaTactic(block_n=48, block_k=128, stages=4), QKVG_TP8, K, K, "rows below 64 load in 8-row boxes"),
+        (WgmmaTactic(block_n=48, split_k=4), QKVG_TP8, K, K, "split_k=4: rows below 64 run unsplit or split in a"),
         (WgmmaTactic(block_k=256), QKVG_TP8, K, K, "block_k=256 must be 64 or 128"),
         (WgmmaTactic(block_k=128, stages=4), QKVG_TP8, 7104, 7104, "dividing K=7104"),
         (WgmmaTactic(block_t=20), QKVG_TP8, K, K, "block_t=20 must be a multiple of 8"),
@@ -135,18 +135,6 @@ def test_rows_below_one_atom_pad_the_mma_not_the_loads():
     assert tactic.acc_registers() == 64 and tactic.ctas(QKVG_TP8, 128) == 128
     assert not WgmmaTactic(64, 64, 128, 9).padded_rows
     assert not WgmmaTactic(48, 64, 64, 8, tokens_on_m=True).padded_rows
-
-
-def test_rows_between_one_atom_and_two_pad_the_second_atom_in_one_warpgroup():
-    """Swap-AB CTAs of 72 rows (the fused stage's F_A/beta beside a weight cluster): one warpgroup issues both 64-row
-    atoms, the second one's padding rows neither loaded nor counted."""
-    tactic = WgmmaTactic(72, 64, 96, 8, split_k=2)
-    assert tactic.padded_rows and tactic.mma_rows == 128 and tactic.consumer_warpgroups == 1
-    assert tactic.threads == 160 and tactic.acc_registers() == 96 and tactic.in_cluster
-    assert tactic.stage_bytes() == (72 + 96) * 64 * 2 and tactic.slot_bytes() == (128 + 96) * 64 * 2
-    assert tactic.partial_bytes() == 128 * 96 * 4 and validate_wgmma_tactic(tactic, FAB, K, K) is None
-    assert not WgmmaTactic(128, 64, 96, 8).padded_rows and WgmmaTactic(128, 64, 96, 8).consumer_warpgroups == 2
-    assert "accumulator registers" in validate_wgmma_tactic(WgmmaTactic(72, 64, 136, 4), FAB, K, K)
 
 
 def test_padded_rows_split_k_in_a_cluster_without_workspace():
@@ -422,18 +410,6 @@ def test_rows_below_one_atom_match_reference_with_partial_row_blocks(m):
     _check(WgmmaTactic(48, 64, 64, 4).for_tokens(m), m, QKVG_TP8, seed=m)
     _check(WgmmaTactic(48, 64, 64, 4).for_tokens(m), m, 136, seed=m)
     _check(WgmmaTactic(24, 64, 32, 6, pdl=False), m, 136, seed=m)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 17, 72, 100, 128, 200], ids=lambda m: f"M{m}")
-def test_two_padded_atoms_in_one_warpgroup_match_reference(m):
-    """Swap-AB CTAs of 72 and 96 rows, one warpgroup issuing both 64-row atoms: the second atom's padding rows are
-    never loaded and never stored; rows past N (136 in 72-row blocks) neither; unsplit and split along K in a
-    cluster (summed in split order); a token tile smaller than M runs along grid y."""
-    block_t = min(wgmma_block_t_for(m), 128)  # 128 rows of fp32 accumulators per thread at most
-    _check(WgmmaTactic(72, 64, block_t, 4), m, 136, seed=m)
-    _check(WgmmaTactic(96, 64, block_t, 4, pdl=False), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(72, 64, block_t, 4, split_k=2), m, FAB, seed=m)
 
 
 @pytest.mark.gpu

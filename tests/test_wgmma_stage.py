@@ -57,14 +57,10 @@ def _wide(m, stages=8):
     return WgmmaTactic(56, 64, 64, stages).for_tokens(m)
 
 
-def _cluster(m, rows=112, stages=10):
-    """A QKVG tactic whose two token tiles share every weight tile in a cluster (tokens on M, ``rows`` per CTA: 110
-    CTAs of 112 rows at TP 8, or 128 of 96), the cluster's tiles covering ``m``."""
-    return WgmmaTactic(rows, 64, 64, stages, tokens_on_m=True, weight_cluster=2).for_tokens(m)
-
-
-def _cluster96(m):
-    return _cluster(m, rows=96, stages=11)
+def _cluster(m):
+    """A QKVG tactic whose two token tiles share every weight tile in a cluster (tokens on M, 110 CTAs of 112 rows
+    at TP 8), the cluster's tiles covering ``m``."""
+    return WgmmaTactic(112, 64, 64, 10, tokens_on_m=True, weight_cluster=2).for_tokens(m)
 
 
 def test_above_64_tokens_the_fused_stage_takes_swap_ab_qkvg():
@@ -127,12 +123,9 @@ def test_a_weight_cluster_qkvg_leaves_the_side_chain_swap_ab_over_every_token():
     assert plan.qkvg.block_t == 64 and plan.side == 12 and plan.fb_resident and not plan.fab.tokens_on_m
     assert (plan.fab.block_n, plan.fab.in_cluster, plan.fab.block_t, plan.fab.weight_cluster) == (24, True, 128, 1)
     assert (plan.fb.block_n, plan.fb.block_t, plan.fb_passes) == (64, 128, 2)
-    plan = plan_stage(_cluster96(96), *SHAPES)
-    # 128 CTAs of 96 rows leave 4 SMs: F_A/beta's 144 rows in two pairs of 72 (two padded atoms each) over half of K,
-    # F_B in 6 passes, over 96 tokens.
-    assert (plan.side, plan.fab.block_n, plan.fab.mma_rows, plan.fab.in_cluster) == (4, 72, 128, True)
-    assert (plan.fab.block_t, plan.fab.consumer_warpgroups, plan.fb_passes) == (96, 1, 6)
-    assert split_side_chain(128, 4, G.fab_rows, G.local_width, G.hidden_size, atoms=2) == (72, 4)
+    # 128 CTAs of 96 rows leave 4 SMs: F_A/beta would stream all of K there, ending after QKVG.
+    assert "leave 4 SMs, too few for F_A/beta split along K" in validate_stage(
+        WgmmaTactic(96, 64, 48, 11, tokens_on_m=True, weight_cluster=2), *SHAPES)
     assert "one consumer warpgroup each" in validate_stage(
         WgmmaTactic(96, 64, 128, 5, tokens_on_m=True, weight_cluster=2), *SHAPES)
     assert "not whole clusters of 2" in validate_stage(_cluster(128), *SHAPES, sms=131)
@@ -141,7 +134,6 @@ def test_a_weight_cluster_qkvg_leaves_the_side_chain_swap_ab_over_every_token():
 @pytest.mark.parametrize("m", [96, 128])
 def test_the_weight_cluster_stage_compiles_for_sm90a(m):
     assert compile_stage(WgmmaStage(_cluster(m), *SHAPES), "sm_90a") is not None
-    assert compile_stage(WgmmaStage(_cluster96(m), *SHAPES), "sm_90a") is not None
 
 
 def test_the_side_chain_splits_only_under_swap_ab():
@@ -317,7 +309,7 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
                          + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)]
                          + [(m, _wide) for m in (65, 72, 100, 128)]
                          + [(m, _fused) for m in (136, 224)]
-                         + [(m, _cluster) for m in (65, 97, 128)] + [(m, _cluster96) for m in (72, 96)]
+                         + [(m, _cluster) for m in (65, 97, 128)]
                          + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
     kernel, g = _stage(tactic, m)
@@ -341,7 +333,7 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab), (128, _wide),
-                                           (100, _cluster), (88, _cluster96),
+                                           (100, _cluster),
                                            (256, _swap_ab), (224, _fused), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
     kernel, g = _stage(tactic, m)

@@ -9,12 +9,11 @@ both operands from shared memory by descriptor, and one instruction covers 64 we
 With :attr:`WgmmaTactic.tokens_on_m` the roles turn round: the tokens (padded to 64 per warpgroup) fill the M mode and
 the weight rows the N mode, so a CTA can own fewer than 64 rows and more SMs stream the weights (Kimi-K3's TP 8 QKVG:
 128 CTAs of 48 rows against 96 of 64); the MMA's padding rows are never loaded, never stored. Under swap-AB a CTA
-may as well own rows that do not fill whole 64-row atoms (:attr:`WgmmaTactic.padded_rows`: fewer than 64, or
-between one atom and two): the weights arrive in boxes of 8 rows and the atoms' padding rows are never loaded, never
-stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one warpgroup reading each activation tile once, where tokens
-on M need two from 65 tokens on. Such a CTA may also split K with its pair in a thread-block cluster of
-:data:`CLUSTER_SPLIT_K` (half the MMAs and activations each): the fused stage's F_A/beta does
-(:mod:`kda_backend.kernels.wgmma_stage`).
+may as well own fewer rows than the 64-row atom (:attr:`WgmmaTactic.padded_rows`): the weights arrive in boxes of 8
+rows and the atom's padding rows are never loaded, never stored, so 128 CTAs of 48 rows stream TP 8's QKVG with one
+warpgroup reading each activation tile once, where tokens on M need two from 65 tokens on. Such a CTA may also
+split K with its pair in a thread-block cluster of :data:`CLUSTER_SPLIT_K` (half the MMAs and activations each):
+the fused stage's F_A/beta does (:mod:`kda_backend.kernels.wgmma_stage`).
 
 - Warp specialization: one producer warp issues every load with the TMA unit into a ``stages``-deep ring of
   ``[block_n, block_k]`` weight and ``[block_t, block_k]`` activation tiles (K-major, 128-byte swizzle, the layout
@@ -118,8 +117,8 @@ class WgmmaTactic(SplitKSchedule):
     """One specialization of the kernel.
 
     :param block_n: weight rows per CTA: 64 (one consumer warpgroup), 128 (two) or 256 (two, two ``wgmma`` atoms
-        each), or a multiple of 8 below 128 other than 64 in one or two padded atoms of one warpgroup (64-element
-        K-tiles, split-K in a cluster of :data:`CLUSTER_SPLIT_K` or none); with ``tokens_on_m``
+        each), or a multiple of 8 below 64 in one padded atom (64-element K-tiles, split-K in a cluster of
+        :data:`CLUSTER_SPLIT_K` or none); with ``tokens_on_m``
         any multiple of 8 up to 256 (the MMA's N). Where it does not divide N the last
         row block is partial (its rows past N are zero-filled and never stored).
     :param block_k: K elements per pipeline stage (64: one 128-byte swizzle atom, or 128), dividing K.
@@ -158,15 +157,14 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def padded_rows(self) -> bool:
-        """Swap-AB with weight rows that do not fill whole ``wgmma`` atoms of 64 (fewer than 64, or between 64 and
-        128, issued by one warpgroup): the rows arrive in boxes of 8 and the MMA's padding rows stay unloaded and
-        unstored, as the tokens do with ``tokens_on_m``."""
-        return not self.tokens_on_m and self.block_n < 2 * ATOM_ROWS and self.block_n != ATOM_ROWS
+        """Swap-AB with fewer weight rows than one ``wgmma`` atom's 64: the rows arrive in boxes of 8 and the MMA's
+        padding rows stay unloaded and unstored, as the tokens do with ``tokens_on_m``."""
+        return not self.tokens_on_m and self.block_n < ATOM_ROWS
 
     @property
     def mma_rows(self) -> int:
-        """Weight rows one CTA's MMAs cover: ``block_n``, or where :attr:`padded_rows` its whole 64-row atoms."""
-        return -(-self.block_n // ATOM_ROWS) * ATOM_ROWS if self.padded_rows else self.block_n
+        """Weight rows one CTA's MMAs cover: ``block_n``, or one 64-row atom where :attr:`padded_rows`."""
+        return ATOM_ROWS if self.padded_rows else self.block_n
 
     @property
     def in_cluster(self) -> bool:
@@ -205,9 +203,8 @@ class WgmmaTactic(SplitKSchedule):
 
     @property
     def consumer_warpgroups(self) -> int:
-        """One per 64 tokens with ``tokens_on_m``, else per 64 weight rows; one issues a padded tile's atoms."""
         rows = self.block_t if self.tokens_on_m else self.block_n
-        return 1 if rows <= ATOM_ROWS or self.padded_rows else 2
+        return 1 if rows <= ATOM_ROWS else 2
 
     @property
     def mma_tokens(self) -> int:
@@ -281,13 +278,14 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
         return f"weight_cluster={t.weight_cluster}: only tokens_on_m CTAs share weight tiles (1 otherwise)"
     elif t.padded_rows:
         if t.block_n % 8 or t.block_n < 8:
-            return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {2 * ATOM_ROWS}"
+            return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
         if t.block_k != 64:
-            return f"block_k={t.block_k}: padded rows load in 8-row boxes of one 64-element swizzle atom"
+            return f"block_k={t.block_k}: rows below {ATOM_ROWS} load in 8-row boxes of one 64-element swizzle atom"
         if t.split_k not in (1, CLUSTER_SPLIT_K):
-            return f"split_k={t.split_k}: padded rows run unsplit or split in a cluster of {CLUSTER_SPLIT_K}"
+            return (f"split_k={t.split_k}: rows below {ATOM_ROWS} run unsplit or split in a cluster of "
+                    f"{CLUSTER_SPLIT_K}")
     elif t.block_n not in BLOCK_ROWS:
-        return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {2 * ATOM_ROWS}"
+        return f"block_n={t.block_n} must be one of {BLOCK_ROWS}, or a multiple of 8 below {ATOM_ROWS}"
     if t.block_k not in (64, 128) or k % t.block_k:
         return f"block_k={t.block_k} must be 64 or 128 dividing K={k}"
     if t.block_t % 8 or not 8 <= t.block_t <= MAX_TOKEN_TILE:

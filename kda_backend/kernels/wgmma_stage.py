@@ -19,8 +19,9 @@ every CTA runs as many consumer warpgroups as QKVG's:
   and the passes' MMAs run as their tiles land;
 - tokens on M with the two token tiles of each row block sharing every weight tile in a cluster
   (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): the side chain then runs swap-AB over both tiles'
-  tokens, as above; beside 128 such CTAs (Kimi-K3 TP 8: 96 rows each) F_A/beta splits along K over two pairs of
-  72-row blocks, two padded atoms each.
+  tokens, as above, split in pairs where the SMs QKVG leaves hold them (110 CTAs of 112 rows leave 22 at TP 8). Not
+  served by :func:`fused_stage_tactic`: on an H100 it ran within 0.2 us of the 56-row swap-AB form at M = 80..112 and
+  0.15 / 0.41 us faster at 120 / 128 (benchmarks/RESULTS.md, levers); not measured on H200.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each (with a weight cluster one per token tile, in a cluster); ``side`` is what QKVG
@@ -202,11 +203,14 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     else:
         # Swap-AB: F_A/beta split along K over pairs of side-chain CTAs where the SMs QKVG leaves hold them (see
         # split_side_chain); F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
-        # Beside a weight cluster's 128 CTAs (Kimi-K3 TP 8: 96 rows each) only 4 SMs are left: F_A/beta's 144 rows
-        # split in two pairs of 72, two padded atoms each.
-        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k, atoms=2 if cluster > 1 else 1)
+        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k)
         if split is not None:
             fab_block, side = split
+        elif cluster > 1:
+            # Beside 128 weight-cluster CTAs (Kimi-K3 TP 8: 96 rows each) F_A/beta over all of K on the 4 SMs left
+            # ends after QKVG, as beside 48-row swap-AB CTAs (see PADDED_ROWS_NARROW_MAX_M); split in two pairs of
+            # 72-row blocks (two padded atoms each) it still did from 104 tokens on (H100, RESULTS.md, levers).
+            return f"a weight cluster's {qkvg_ctas} CTAs leave {side} SMs, too few for F_A/beta split along K"
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
         passes = fb_rows // (side * ATOM_ROWS)
@@ -237,12 +241,10 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     return reason or found
 
 
-def split_side_chain(qkvg_ctas: int, free: int, fab_rows: int, fb_rows: int, k: int,
-                     atoms: int = 1) -> tuple[int, int] | None:
-    """``(rows, ctas)``: F_A/beta's row blocks of ``rows`` (padded to at most ``atoms`` 64-row atoms), each split
-    along K over a pair of side-chain CTAs in a thread-block cluster, on ``ctas`` of the ``free`` SMs that QKVG's
-    ``qkvg_ctas`` CTAs leave, F_B's ``fb_rows`` then in whole 64-row passes over them; the most CTAs that fit, or
-    ``None``.
+def split_side_chain(qkvg_ctas: int, free: int, fab_rows: int, fb_rows: int, k: int) -> tuple[int, int] | None:
+    """``(rows, ctas)``: F_A/beta's row blocks of ``rows`` (one padded 64-row atom), each split along K over a pair of
+    side-chain CTAs in a thread-block cluster, on ``ctas`` of the ``free`` SMs that QKVG's ``qkvg_ctas`` CTAs leave,
+    F_B's ``fb_rows`` then in whole 64-row passes over them; the most CTAs that fit, or ``None``.
 
     Why: above 64 tokens a side-chain CTA is bound by its MMAs, not its loads. One 64-row atom over all of K keeps an
     SM's tensor cores busy 18 us at 128 tokens on H200, whether 40 of its rows are real or 64 (4 CTAs alone, Kimi-K3
@@ -250,7 +252,7 @@ def split_side_chain(qkvg_ctas: int, free: int, fab_rows: int, fb_rows: int, k: 
     F_B after it (benchmarks/results/levers/fused-stage-split-side-chain/)."""
     if (k // 64) % CLUSTER_SPLIT_K:
         return None
-    for rows in (r for r in range(8, atoms * ATOM_ROWS, 8) if r % ATOM_ROWS):
+    for rows in range(8, ATOM_ROWS, 8):
         ctas = CLUSTER_SPLIT_K * row_blocks(fab_rows, rows)
         if ctas <= free and (ctas + qkvg_ctas) % CLUSTER_SPLIT_K == 0 and fb_rows % (ctas * ATOM_ROWS) == 0:
             return rows, ctas
