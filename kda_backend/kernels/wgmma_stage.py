@@ -2,8 +2,8 @@
 then F_B) on the SMs QKVG leaves free, all as ``wgmma`` tiles of one grid. No fork and no second launch: the same
 schedule, and the same bits, on every host, eager or in any graph mode.
 
-Three forms, by QKVG's tactic; F_A/beta and F_B take QKVG's form and token tile (but beside a weight cluster), so
-every CTA runs as many consumer warpgroups as QKVG's:
+Three forms, by QKVG's tactic; F_A/beta and F_B take QKVG's form and token tile (beside a weight cluster: swap-AB
+over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKVG's:
 
 - tokens on the MMA's M side (:attr:`WgmmaTactic.tokens_on_m`), up to 64 tokens in one consumer warpgroup, or up to
   :data:`WIDE_TOKENS_ON_M_MAX_M` in two where QKVG's CTAs own 64 rows or more (Kimi-K3 TP 4: 96): F_B in at least
@@ -207,9 +207,10 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         if split is not None:
             fab_block, side = split
         elif cluster > 1:
-            # Beside 128 weight-cluster CTAs (Kimi-K3 TP 8: 96 rows each) F_A/beta over all of K on the 4 SMs left
-            # ends after QKVG, as beside 48-row swap-AB CTAs (see PADDED_ROWS_NARROW_MAX_M); split in two pairs of
-            # 72-row blocks (two padded atoms each) it still did from 104 tokens on (H100, RESULTS.md, levers).
+            # Beside 128 weight-cluster CTAs (Kimi-K3 TP 8: 96 rows each) 4 SMs are left. F_A/beta over all of K
+            # there ends after QKVG above 72 tokens beside 48-row swap-AB CTAs (see PADDED_ROWS_NARROW_MAX_M); split
+            # in two pairs of 72-row blocks (two padded atoms each) beside the cluster it ended after QKVG from 104
+            # tokens and gained nothing below (H100, benchmarks/RESULTS.md, levers).
             return f"a weight cluster's {qkvg_ctas} CTAs leave {side} SMs, too few for F_A/beta split along K"
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
