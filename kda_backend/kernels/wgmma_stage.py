@@ -183,6 +183,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     tail = tactic.tokens_on_m and tactic.consumer_warpgroups > 1
     # A weight cluster's CTAs each hold a share of M's tokens; its side chain runs swap-AB over all of them.
     swap_ab_side = not tactic.tokens_on_m or cluster > 1
+    side_t = tactic.block_t * cluster  # the side chain's token tile: every token of the launch
     split = None
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
@@ -215,12 +216,12 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
         passes = fb_rows // (side * ATOM_ROWS)
-        fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t * cluster, d // 64, pdl=False)
+        fb = WgmmaTactic(ATOM_ROWS, 64, side_t, d // 64, pdl=False)
     # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
     # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB its MMAs bound it, so there it
     # splits K where the free SMs hold the pairs (split_side_chain).
-    fab_probe = dataclasses.replace(tactic, block_n=fab_block, block_t=tactic.block_t * cluster, stages=1,
+    fab_probe = dataclasses.replace(tactic, block_n=fab_block, block_t=side_t, stages=1,
                                     split_k=CLUSTER_SPLIT_K if split else 1, tokens_on_m=not swap_ab_side,
                                     weight_cluster=1)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
