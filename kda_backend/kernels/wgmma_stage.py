@@ -175,44 +175,44 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         return f"QKVG's {qkvg_ctas} CTAs leave none of {sms} SMs to the side chain"
     if side % cluster:
         return f"QKVG's {qkvg_ctas} CTAs leave {side} of {sms} SMs, not whole clusters of {cluster}"
-    fab_block = -(-fab_rows // (side * 8)) * 8
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
     # Where QKVG takes tokens on M in two consumer warpgroups (above 64 tokens), F_B's passes one after another on
     # the side-chain CTAs end well after QKVG: F_B runs as a tail on QKVG's CTAs instead (see WIDE_TOKENS_ON_M_STAGES).
     tail = tactic.tokens_on_m and tactic.consumer_warpgroups > 1
-    # A weight cluster's CTAs each hold a share of M's tokens; its side chain runs swap-AB over all of them.
-    swap_ab_side = not tactic.tokens_on_m or cluster > 1
-    side_t = tactic.block_t * cluster  # the side chain's token tile: every token of the launch
+    # Beside swap-AB QKVG, and beside a weight cluster where the SMs left hold F_A/beta split along K in pairs, the
+    # side chain runs swap-AB over every token of the launch (see split_side_chain). Beside a weight cluster that
+    # leaves fewer SMs it takes QKVG's own form: F_A/beta's row blocks in clusters of the same token tiles, each
+    # CTA streaming fewer rows than a QKVG CTA, then F_B per token tile.
     split = None
+    if not tactic.tokens_on_m or cluster > 1:
+        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k)
+    swap_ab_side = not tactic.tokens_on_m or split is not None
+    side_cluster = 1 if swap_ab_side else cluster
+    side_t = tactic.block_t * cluster // side_cluster  # the side chain's token tile
+    owners = side // side_cluster  # side-chain CTAs of one token tile
+    fab_block = -(-fab_rows // (owners * 8 * side_cluster)) * 8 * side_cluster  # whole 8-row boxes per cluster share
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
         fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False)
         passes = 1
     elif not swap_ab_side:
-        # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
-        # a multiple of 8 within the MMA's N.
-        share = fb_rows // side if fb_rows % side == 0 else 0
+        # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows (the rows of every
+        # token of its token tile) into row blocks of a multiple of 8 within the MMA's N.
+        share = fb_rows // owners if fb_rows % owners == 0 else 0
         passes = next((n for n in range(FB_PASSES, share // 8 + 1)
                        if share % (8 * n) == 0 and share // n <= MAX_TILE_ROWS), None)
         if passes is None:
-            return (f"F_B's {fb_rows} rows do not split into {side} shares of row blocks of a multiple of 8 up to "
+            return (f"F_B's {fb_rows} rows do not split into {owners} shares of row blocks of a multiple of 8 up to "
                     f"{MAX_TILE_ROWS}")
         # A pass's K-tiles all load at once: its ring is as deep as F_B's K-tiles.
-        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False)
+        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False, weight_cluster=1)
     else:
         # Swap-AB: F_A/beta split along K over pairs of side-chain CTAs where the SMs QKVG leaves hold them (see
         # split_side_chain); F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
-        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k)
         if split is not None:
             fab_block, side = split
-        elif cluster > 1:
-            # Beside 128 weight-cluster CTAs (Kimi-K3 TP 8: 96 rows each) 4 SMs are left. F_A/beta over all of K
-            # there ends after QKVG above 72 tokens beside 48-row swap-AB CTAs (see PADDED_ROWS_NARROW_MAX_M); split
-            # in two pairs of 72-row blocks (two padded atoms each) beside the cluster it ended after QKVG from 104
-            # tokens and gained nothing below (H100, benchmarks/RESULTS.md, levers).
-            return f"a weight cluster's {qkvg_ctas} CTAs leave {side} SMs, too few for F_A/beta split along K"
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
         passes = fb_rows // (side * ATOM_ROWS)
@@ -223,16 +223,16 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     # splits K where the free SMs hold the pairs (split_side_chain).
     fab_probe = dataclasses.replace(tactic, block_n=fab_block, block_t=side_t, stages=1,
                                     split_k=CLUSTER_SPLIT_K if split else 1, tokens_on_m=not swap_ab_side,
-                                    weight_cluster=1)
+                                    weight_cluster=side_cluster)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
     # Each side-chain CTA (each pair, where F_A/beta splits K) owns one F_A/beta row block: one past the rows would
     # store past them, since only a partial last row block checks its rows.
-    owners = side // fab.split_k
+    owners = side // (fab.split_k * side_cluster)
     if row_blocks(fab_rows, fab.block_n) < owners:
         return (f"F_A/beta's {fab_rows} rows in row blocks of {fab.block_n} leave some of the {owners} side-chain "
-                f"{'pairs' if fab.split_k > 1 else 'CTAs'} without rows")
+                f"{'CTAs' if owners == side else 'pairs'} without rows")
     found = StagePlan(tactic, fab, fb, side, passes, tail)
     if found.fb_smem_bytes() > ring:
         return f"F_B's {passes} passes of {fb.stages} K-tiles need more than {ring} bytes of shared memory"
@@ -418,15 +418,20 @@ class WgmmaStage:
                     self.fb._tile_per_cta(fb_loop, b_w_tma, b_w_src, b_x_tma, b_x_src, fb_s_w, fb_s_x, fb_s_x_box,
                                           ring, m_g1_t, None, None, None, b_mma, warp, tidx, bidx - p.side, 0, 0)
         else:
+            # F_A/beta's row block and token tile, and K-half where it splits K, from the cluster rank; F_B's share
+            # of rows is the row block's.
+            row_block, token_tile, k_half = bidx, 0, 0
+            if cutlass.const_expr(p.fab.in_cluster):
+                row_block, k_half = bidx // CLUSTER_SPLIT_K, bidx % CLUSTER_SPLIT_K
+            elif cutlass.const_expr(p.fab.weight_cluster > 1):
+                row_block, token_tile = bidx // p.fab.weight_cluster, bidx % p.fab.weight_cluster
+            fb_first = row_block * p.fb_passes if p.fab.weight_cluster > 1 else bidx * p.fb_passes
             if cutlass.const_expr(not p.fb_tail):
                 if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
-                    self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx * p.fb_passes, p.fb_passes)
+                    self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, fb_first, p.fb_passes)
             mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
-            row_block, k_half = bidx, 0
-            if cutlass.const_expr(p.fab.in_cluster):  # row block bidx // 2, K-half (cluster rank) bidx % 2
-                row_block, k_half = bidx // CLUSTER_SPLIT_K, bidx % CLUSTER_SPLIT_K
             self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
-                                   None, None, None, f_mma, warp, tidx, row_block, 0, k_half)
+                                   None, None, None, f_mma, warp, tidx, row_block, token_tile, k_half)
             if cutlass.const_expr(p.fb_tail):
                 self._count_in(m_chain, tidx)
             else:
@@ -451,8 +456,8 @@ class WgmmaStage:
                             fb_barriers + j * 2 * p.fb.stages, ring, dtype, b_s_w, b_s_x, b_s_x_box
                         )
                         self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
-                                              ring, m_g1_t, None, None, None, b_mma, warp, tidx,
-                                              bidx * p.fb_passes + j, 0, 0)
+                                              ring, m_g1_t, None, None, None, b_mma, warp, tidx, fb_first + j,
+                                              token_tile, 0)
 
     @cute.jit
     def _fb_on_resident_f_a(self, b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, bars, ring, m_g1_t, warp, tidx,
