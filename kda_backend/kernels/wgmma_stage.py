@@ -18,10 +18,12 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
   in 64-row passes over a resident f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass,
   and the passes' MMAs run as their tiles land;
 - tokens on M with the two token tiles of each row block sharing every weight tile in a cluster
-  (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): the side chain then runs swap-AB over both tiles'
-  tokens, as above, split in pairs where the SMs QKVG leaves hold them (110 CTAs of 112 rows leave 22 at TP 8). Not
-  served by :func:`fused_stage_tactic`: on two H100s it ran within 0.2 us of the 56-row swap-AB form at M = 80..112
-  and 0.05-0.41 us faster at 120 / 128 (benchmarks/RESULTS.md, levers); not measured on H200.
+  (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): where the SMs QKVG leaves hold F_A/beta split
+  along K in pairs (110 CTAs of 112 rows leave 22 at TP 8) the side chain runs swap-AB over both tiles' tokens, as
+  above; where they hold fewer (128 CTAs of 96 rows leave 4) it takes QKVG's form: F_A/beta's row blocks, fewer rows
+  than QKVG's, each in a cluster of the same two token tiles, then F_B's passes for each token tile. Not served by
+  :func:`fused_stage_tactic`: on two H100s the 112-row form ran within 0.2 us of the 56-row swap-AB form at M =
+  80..112 and 0.05-0.41 us faster at 120 / 128 (benchmarks/RESULTS.md, levers); not measured on H200.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each (with a weight cluster one per token tile, in a cluster); ``side`` is what QKVG
@@ -30,9 +32,10 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
   cluster's tiles): M up to the tactic's ``block_t`` (times the cluster).
 - Side-chain CTA ``i`` first asks L2 for its W_fb tiles (TMA prefetch), then computes F_A/beta's row block ``i``
   (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's, in the deepest ring an SM holds, so it finishes first;
-  split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together),
-  counts it in on ``chain[0]`` (release), waits until every side-chain CTA counted in, then computes its share of
-  ``g1 = f_a @ W_fb^T``'s rows for every token: f_a (F_A/beta's first ``d`` columns,
+  split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together; beside a
+  weight cluster in its form, row block ``i // 2`` for token tile ``i % 2``), counts it in on ``chain[0]``
+  (release), waits until every side-chain CTA counted in, then computes its share of ``g1 = f_a @ W_fb^T``'s rows
+  for every token (in the weight cluster's form, its row block's share for its token tile): f_a (F_A/beta's first ``d`` columns,
   written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
   beyond F_A/beta's covers F_B.
 - The side-chain CTAs wait only for each other, and they are dispatched before QKVG's: the launch cannot deadlock
