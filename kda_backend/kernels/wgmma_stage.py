@@ -35,9 +35,9 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
   split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together; beside a
   weight cluster in its form, row block ``i // 2`` for token tile ``i % 2``), counts it in on ``chain[0]``
   (release), waits until every side-chain CTA counted in, then computes its share of ``g1 = f_a @ W_fb^T``'s rows
-  for every token (in the weight cluster's form, its row block's share for its token tile): f_a (F_A/beta's first ``d`` columns,
-  written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
-  beyond F_A/beta's covers F_B.
+  for every token (in the weight cluster's form, its row block's share for its token tile): f_a (F_A/beta's first
+  ``d`` columns, written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row
+  blocks take beyond F_A/beta's covers F_B.
 - The side-chain CTAs wait only for each other, and they are dispatched before QKVG's: the launch cannot deadlock
   (with F_B's tail, QKVG's CTAs wait for side-chain CTAs already resident, which wait for nothing). The last CTA
   past the wait resets both counters (``chain[1]`` counts them past it), so the stream's next launch finds them
