@@ -145,6 +145,11 @@ def test_a_weight_cluster_leaving_too_few_sms_for_a_split_gives_the_side_chain_i
     fb = plan.fb
     assert (fb.block_n, fb.block_t, fb.weight_cluster, fb.stages, plan.fb_passes) == (256, 64, 1, 2, 3)
     assert plan_stage(_cluster96(97), *SHAPES).fab.block_t == plan_stage(_cluster96(97), *SHAPES).qkvg.block_t == 56
+    # F_A/beta's row blocks must be narrower than QKVG's, or the side chain ends after QKVG (TP 16: 48-row clusters).
+    g16 = preset("kimi-k3", 16)
+    assert "80-row blocks on 4 SMs beside QKVG's 48-row weight cluster" in validate_stage(
+        WgmmaTactic(48, 64, 64, 11, tokens_on_m=True, weight_cluster=2),
+        g16.qkvg_rows, g16.fab_rows, g16.local_width, g16.hidden_size, g16.head_dim)
     # Where the SMs left hold no whole shares of F_B's rows the form is refused with the numbers.
     assert "F_B's 1000 rows do not split into 2 shares" in validate_stage(
         _cluster96(128), G.qkvg_rows, G.fab_rows, 1000, G.hidden_size, G.head_dim)

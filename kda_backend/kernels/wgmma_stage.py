@@ -195,6 +195,9 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     side_t = tactic.block_t * cluster // side_cluster  # the side chain's token tile
     owners = side // side_cluster  # side-chain CTAs of one token tile
     fab_block = -(-fab_rows // (owners * 8 * side_cluster)) * 8 * side_cluster  # whole 8-row boxes per cluster share
+    if side_cluster > 1 and fab_block >= tactic.block_n:
+        return (f"F_A/beta's {fab_block}-row blocks on {side} SMs beside QKVG's {tactic.block_n}-row weight cluster: "
+                "the side chain would end after QKVG")
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
