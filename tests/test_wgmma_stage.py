@@ -133,17 +133,16 @@ def test_a_weight_cluster_qkvg_leaves_the_side_chain_swap_ab_over_every_token():
     assert "not whole clusters of 2" in validate_stage(_cluster(128), *SHAPES, sms=131)
 
 
-def test_a_weight_cluster_leaving_too_few_sms_for_a_split_gives_the_side_chain_its_own_form():
+def test_a_weight_cluster_leaving_too_few_sms_for_a_split_gives_f_a_beta_its_own_form():
     plan = plan_stage(_cluster96(128), *SHAPES)
     # 64 row blocks of 96 rows, two token tiles of 64 each: 128 CTAs, 4 SMs left. F_A/beta's 144 rows in 2 row blocks
     # of 80 (two 40-row shares of 8-row boxes), each in a cluster of the two token tiles sharing its weight tiles, in
-    # the deepest ring an SM holds; then F_B's 1536 rows, 768 for each token tile on each row block's CTA, in 3 passes
-    # of 256.
-    assert plan.side == 4 and not plan.fb_resident and not plan.fab.in_cluster
+    # the deepest ring an SM holds; then F_B swap-AB over all 128 tokens, 6 passes of 64 rows per side-chain CTA.
+    assert plan.side == 4 and plan.fb_resident and not plan.fab.in_cluster
     assert (plan.fab.block_n, plan.fab.block_t, plan.fab.tokens_on_m, plan.fab.weight_cluster) == (80, 64, True, 2)
     assert plan.fab.stages == 12
     fb = plan.fb
-    assert (fb.block_n, fb.block_t, fb.weight_cluster, fb.stages, plan.fb_passes) == (256, 64, 1, 2, 3)
+    assert (fb.block_n, fb.block_t, fb.tokens_on_m, fb.stages, plan.fb_passes) == (64, 128, False, 2, 6)
     assert plan_stage(_cluster96(97), *SHAPES).fab.block_t == plan_stage(_cluster96(97), *SHAPES).qkvg.block_t == 56
     # F_A/beta's row blocks must be narrower than QKVG's, or the side chain ends after QKVG (TP 16: 48-row clusters).
     g16 = preset("kimi-k3", 16)
@@ -151,7 +150,7 @@ def test_a_weight_cluster_leaving_too_few_sms_for_a_split_gives_the_side_chain_i
         WgmmaTactic(48, 64, 64, 11, tokens_on_m=True, weight_cluster=2),
         g16.qkvg_rows, g16.fab_rows, g16.local_width, g16.hidden_size, g16.head_dim)
     # Where the SMs left hold no whole shares of F_B's rows the form is refused with the numbers.
-    assert "F_B's 1000 rows do not split into 2 shares" in validate_stage(
+    assert "F_B's 1000 rows do not split into 4 shares of 64-row passes" in validate_stage(
         _cluster96(128), G.qkvg_rows, G.fab_rows, 1000, G.hidden_size, G.head_dim)
 
 

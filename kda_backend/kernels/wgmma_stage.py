@@ -20,8 +20,8 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
 - tokens on M with the two token tiles of each row block sharing every weight tile in a cluster
   (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): where the SMs QKVG leaves hold F_A/beta split
   along K in pairs (110 CTAs of 112 rows leave 22 at TP 8) the side chain runs swap-AB over both tiles' tokens, as
-  above; where they hold fewer (128 CTAs of 96 rows leave 4) it takes QKVG's form: F_A/beta's row blocks, fewer rows
-  than QKVG's, each in a cluster of the same two token tiles, then F_B's passes for each token tile. Not served by
+  above; where they hold fewer (128 CTAs of 96 rows leave 4) F_A/beta takes QKVG's form, its row blocks (fewer rows
+  than QKVG's) each in a cluster of the same two token tiles, and F_B runs swap-AB over every token. Not served by
   :func:`fused_stage_tactic`: on two H100s the 112-row form ran within 0.2 us of the 56-row swap-AB form at M =
   80..112 and 0.05-0.41 us faster at 120 / 128 (benchmarks/RESULTS.md, levers); not measured on H200.
 
@@ -35,9 +35,8 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
   split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together; beside a
   weight cluster in its form, row block ``i // 2`` for token tile ``i % 2``), counts it in on ``chain[0]``
   (release), waits until every side-chain CTA counted in, then computes its share of ``g1 = f_a @ W_fb^T``'s rows
-  for every token (in the weight cluster's form, its row block's share for its token tile): f_a (F_A/beta's first
-  ``d`` columns, written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row
-  blocks take beyond F_A/beta's covers F_B.
+  for every token: f_a (F_A/beta's first ``d`` columns, written by the side-chain CTAs) and W_fb arrive by TMA like
+  any operand. The time QKVG's larger row blocks take beyond F_A/beta's covers F_B.
 - The side-chain CTAs wait only for each other, and they are dispatched before QKVG's: the launch cannot deadlock
   (with F_B's tail, QKVG's CTAs wait for side-chain CTAs already resident, which wait for nothing). The last CTA
   past the wait resets both counters (``chain[1]`` counts them past it), so the stream's next launch finds them
@@ -141,8 +140,8 @@ class StagePlan:
 
     @property
     def fb_resident(self) -> bool:
-        """Whether F_B runs as 64-row passes over one resident f_a tile (the side chain's swap-AB form)."""
-        return not self.fab.tokens_on_m
+        """Whether F_B runs as 64-row passes over one resident f_a tile (swap-AB, every token)."""
+        return not self.fb.tokens_on_m
 
     def fb_smem_bytes(self) -> int:
         """F_B's shared memory: one pass's ring, which the passes take in turn (tokens on M), or every pass's W_fb
@@ -185,8 +184,9 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     tail = tactic.tokens_on_m and tactic.consumer_warpgroups > 1
     # Beside swap-AB QKVG, and beside a weight cluster where the SMs left hold F_A/beta split along K in pairs, the
     # side chain runs swap-AB over every token of the launch (see split_side_chain). Beside a weight cluster that
-    # leaves fewer SMs it takes QKVG's own form: F_A/beta's row blocks in clusters of the same token tiles, each
-    # CTA streaming fewer rows than a QKVG CTA, then F_B per token tile.
+    # leaves fewer SMs F_A/beta takes QKVG's own form: its row blocks in clusters of the same token tiles, each CTA
+    # streaming fewer rows than a QKVG CTA; F_B then runs swap-AB over every token as beside swap-AB QKVG (in
+    # tokens-on-M passes, one after another, it ended 5.9 us after QKVG alone on H100, benchmarks/RESULTS.md).
     split = None
     if not tactic.tokens_on_m or cluster > 1:
         split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k)
@@ -203,17 +203,17 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
         fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False)
         passes = 1
-    elif not swap_ab_side:
-        # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows (the rows of every
-        # token of its token tile) into row blocks of a multiple of 8 within the MMA's N.
-        share = fb_rows // owners if fb_rows % owners == 0 else 0
+    elif tactic.tokens_on_m and cluster == 1:
+        # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
+        # a multiple of 8 within the MMA's N.
+        share = fb_rows // side if fb_rows % side == 0 else 0
         passes = next((n for n in range(FB_PASSES, share // 8 + 1)
                        if share % (8 * n) == 0 and share // n <= MAX_TILE_ROWS), None)
         if passes is None:
-            return (f"F_B's {fb_rows} rows do not split into {owners} shares of row blocks of a multiple of 8 up to "
+            return (f"F_B's {fb_rows} rows do not split into {side} shares of row blocks of a multiple of 8 up to "
                     f"{MAX_TILE_ROWS}")
         # A pass's K-tiles all load at once: its ring is as deep as F_B's K-tiles.
-        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False, weight_cluster=1)
+        fb = dataclasses.replace(tactic, block_n=share // passes, stages=d // 64, pdl=False)
     else:
         # Swap-AB: F_A/beta split along K over pairs of side-chain CTAs where the SMs QKVG leaves hold them (see
         # split_side_chain); F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
@@ -222,7 +222,7 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
         passes = fb_rows // (side * ATOM_ROWS)
-        fb = WgmmaTactic(ATOM_ROWS, 64, side_t, d // 64, pdl=False)
+        fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t * cluster, d // 64, pdl=False)
     # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
     # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB its MMAs bound it, so there it
@@ -424,17 +424,15 @@ class WgmmaStage:
                     self.fb._tile_per_cta(fb_loop, b_w_tma, b_w_src, b_x_tma, b_x_src, fb_s_w, fb_s_x, fb_s_x_box,
                                           ring, m_g1_t, None, None, None, b_mma, warp, tidx, bidx - p.side, 0, 0)
         else:
-            # F_A/beta's row block and token tile, and K-half where it splits K, from the cluster rank; F_B's share
-            # of rows is the row block's.
+            # F_A/beta's row block, and its K-half or token tile (the cluster rank) in a cluster.
             row_block, token_tile, k_half = bidx, 0, 0
             if cutlass.const_expr(p.fab.in_cluster):
                 row_block, k_half = bidx // CLUSTER_SPLIT_K, bidx % CLUSTER_SPLIT_K
             elif cutlass.const_expr(p.fab.weight_cluster > 1):
                 row_block, token_tile = bidx // p.fab.weight_cluster, bidx % p.fab.weight_cluster
-            fb_first = row_block * p.fb_passes if p.fab.weight_cluster > 1 else bidx * p.fb_passes
             if cutlass.const_expr(not p.fb_tail):
                 if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
-                    self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, fb_first, p.fb_passes)
+                    self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx * p.fb_passes, p.fb_passes)
             mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
             self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
                                    None, None, None, f_mma, warp, tidx, row_block, token_tile, k_half)
@@ -462,8 +460,8 @@ class WgmmaStage:
                             fb_barriers + j * 2 * p.fb.stages, ring, dtype, b_s_w, b_s_x, b_s_x_box
                         )
                         self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
-                                              ring, m_g1_t, None, None, None, b_mma, warp, tidx, fb_first + j,
-                                              token_tile, 0)
+                                              ring, m_g1_t, None, None, None, b_mma, warp, tidx,
+                                              bidx * p.fb_passes + j, 0, 0)
 
     @cute.jit
     def _fb_on_resident_f_a(self, b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, bars, ring, m_g1_t, warp, tidx,
