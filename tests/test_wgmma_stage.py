@@ -63,11 +63,6 @@ def _cluster(m):
     return WgmmaTactic(112, 64, 64, 10, tokens_on_m=True, weight_cluster=2).for_tokens(m)
 
 
-def _cluster96(m):
-    """A weight-cluster QKVG tactic of 128 CTAs of 96 rows at TP 8 (4 SMs left), the cluster's tiles covering ``m``."""
-    return WgmmaTactic(96, 64, 64, 11, tokens_on_m=True, weight_cluster=2).for_tokens(m)
-
-
 def test_above_64_tokens_the_fused_stage_takes_swap_ab_qkvg():
     for m, rows in ((65, 48), (72, 48), (80, 56), (FUSED_MAX_M, 56)):
         tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
@@ -128,36 +123,17 @@ def test_a_weight_cluster_qkvg_leaves_the_side_chain_swap_ab_over_every_token():
     assert plan.qkvg.block_t == 64 and plan.side == 12 and plan.fb_resident and not plan.fab.tokens_on_m
     assert (plan.fab.block_n, plan.fab.in_cluster, plan.fab.block_t, plan.fab.weight_cluster) == (24, True, 128, 1)
     assert (plan.fb.block_n, plan.fb.block_t, plan.fb_passes) == (64, 128, 2)
+    # 128 CTAs of 96 rows leave 4 SMs: F_A/beta would stream all of K there, ending after QKVG.
+    assert "leave 4 SMs, too few for F_A/beta split along K" in validate_stage(
+        WgmmaTactic(96, 64, 48, 11, tokens_on_m=True, weight_cluster=2), *SHAPES)
     assert "one consumer warpgroup each" in validate_stage(
         WgmmaTactic(96, 64, 128, 5, tokens_on_m=True, weight_cluster=2), *SHAPES)
     assert "not whole clusters of 2" in validate_stage(_cluster(128), *SHAPES, sms=131)
 
 
-def test_a_weight_cluster_leaving_too_few_sms_for_a_split_gives_f_a_beta_its_own_form():
-    plan = plan_stage(_cluster96(128), *SHAPES)
-    # 64 row blocks of 96 rows, two token tiles of 64 each: 128 CTAs, 4 SMs left. F_A/beta's 144 rows in 2 row blocks
-    # of 80 (two 40-row shares of 8-row boxes), each in a cluster of the two token tiles sharing its weight tiles, in
-    # the deepest ring an SM holds; then F_B swap-AB over all 128 tokens, 6 passes of 64 rows per side-chain CTA.
-    assert plan.side == 4 and plan.fb_resident and not plan.fab.in_cluster
-    assert (plan.fab.block_n, plan.fab.block_t, plan.fab.tokens_on_m, plan.fab.weight_cluster) == (80, 64, True, 2)
-    assert plan.fab.stages == 12
-    fb = plan.fb
-    assert (fb.block_n, fb.block_t, fb.tokens_on_m, fb.stages, plan.fb_passes) == (64, 128, False, 2, 6)
-    assert plan_stage(_cluster96(97), *SHAPES).fab.block_t == plan_stage(_cluster96(97), *SHAPES).qkvg.block_t == 56
-    # F_A/beta's row blocks must be narrower than QKVG's, or the side chain ends after QKVG (TP 16: 48-row clusters).
-    g16 = preset("kimi-k3", 16)
-    assert "80-row blocks on 4 SMs beside QKVG's 48-row weight cluster" in validate_stage(
-        WgmmaTactic(48, 64, 64, 11, tokens_on_m=True, weight_cluster=2),
-        g16.qkvg_rows, g16.fab_rows, g16.local_width, g16.hidden_size, g16.head_dim)
-    # Where the SMs left hold no whole shares of F_B's rows the form is refused with the numbers.
-    assert "F_B's 1000 rows do not split into 4 shares of 64-row passes" in validate_stage(
-        _cluster96(128), G.qkvg_rows, G.fab_rows, 1000, G.hidden_size, G.head_dim)
-
-
-@pytest.mark.parametrize("tactic", [_cluster, _cluster96])
 @pytest.mark.parametrize("m", [96, 128])
-def test_the_weight_cluster_stage_compiles_for_sm90a(m, tactic):
-    assert compile_stage(WgmmaStage(tactic(m), *SHAPES), "sm_90a") is not None
+def test_the_weight_cluster_stage_compiles_for_sm90a(m):
+    assert compile_stage(WgmmaStage(_cluster(m), *SHAPES), "sm_90a") is not None
 
 
 def test_the_side_chain_splits_only_under_swap_ab():
@@ -334,7 +310,6 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
                          + [(m, _wide) for m in (65, 72, 100, 128)]
                          + [(m, _fused) for m in (136, 224)]
                          + [(m, _cluster) for m in (65, 97, 128)]
-                         + [(m, _cluster96) for m in (65, 97, 128)]
                          + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
     kernel, g = _stage(tactic, m)
@@ -358,7 +333,7 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab), (128, _wide),
-                                           (100, _cluster), (100, _cluster96),
+                                           (100, _cluster),
                                            (256, _swap_ab), (224, _fused), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
     kernel, g = _stage(tactic, m)

@@ -18,12 +18,10 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
   in 64-row passes over a resident f_a tile: f_a and every pass's W_fb tiles load at once, one mbarrier per pass,
   and the passes' MMAs run as their tiles land;
 - tokens on M with the two token tiles of each row block sharing every weight tile in a cluster
-  (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): where the SMs QKVG leaves hold F_A/beta split
-  along K in pairs (110 CTAs of 112 rows leave 22 at TP 8) the side chain runs swap-AB over both tiles' tokens, as
-  above; where they hold fewer (128 CTAs of 96 rows leave 4) F_A/beta takes QKVG's form, its row blocks (fewer rows
-  than QKVG's) each in a cluster of the same two token tiles, and F_B runs swap-AB over every token. Not served by
-  :func:`fused_stage_tactic`: on two H100s the 112-row form ran within 0.2 us of the 56-row swap-AB form at M =
-  80..112 and 0.05-0.41 us faster at 120 / 128 (benchmarks/RESULTS.md, levers); not measured on H200.
+  (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): the side chain then runs swap-AB over both tiles'
+  tokens, as above, split in pairs where the SMs QKVG leaves hold them (110 CTAs of 112 rows leave 22 at TP 8). Not
+  served by :func:`fused_stage_tactic`: on two H100s it ran within 0.2 us of the 56-row swap-AB form at M = 80..112
+  and 0.05-0.41 us faster at 120 / 128 (benchmarks/RESULTS.md, levers); not measured on H200.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each (with a weight cluster one per token tile, in a cluster); ``side`` is what QKVG
@@ -32,11 +30,11 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
   cluster's tiles): M up to the tactic's ``block_t`` (times the cluster).
 - Side-chain CTA ``i`` first asks L2 for its W_fb tiles (TMA prefetch), then computes F_A/beta's row block ``i``
   (``ceil(fab_rows / side)`` rows, fewer than a QKVG CTA's, in the deepest ring an SM holds, so it finishes first;
-  split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together; beside a
-  weight cluster in its form, row block ``i // 2`` for token tile ``i % 2``), counts it in on ``chain[0]``
-  (release), waits until every side-chain CTA counted in, then computes its share of ``g1 = f_a @ W_fb^T``'s rows
-  for every token: f_a (F_A/beta's first ``d`` columns, written by the side-chain CTAs) and W_fb arrive by TMA like
-  any operand. The time QKVG's larger row blocks take beyond F_A/beta's covers F_B.
+  split, row block ``i // 2`` over half of K with its cluster peer ``i ^ 1``, the two summing it together),
+  counts it in on ``chain[0]`` (release), waits until every side-chain CTA counted in, then computes its share of
+  ``g1 = f_a @ W_fb^T``'s rows for every token: f_a (F_A/beta's first ``d`` columns,
+  written by the side-chain CTAs) and W_fb arrive by TMA like any operand. The time QKVG's larger row blocks take
+  beyond F_A/beta's covers F_B.
 - The side-chain CTAs wait only for each other, and they are dispatched before QKVG's: the launch cannot deadlock
   (with F_B's tail, QKVG's CTAs wait for side-chain CTAs already resident, which wait for nothing). The last CTA
   past the wait resets both counters (``chain[1]`` counts them past it), so the stream's next launch finds them
@@ -140,8 +138,8 @@ class StagePlan:
 
     @property
     def fb_resident(self) -> bool:
-        """Whether F_B runs as 64-row passes over one resident f_a tile (swap-AB, every token)."""
-        return not self.fb.tokens_on_m
+        """Whether F_B runs as 64-row passes over one resident f_a tile (the side chain's swap-AB form)."""
+        return not self.fab.tokens_on_m
 
     def fb_smem_bytes(self) -> int:
         """F_B's shared memory: one pass's ring, which the passes take in turn (tokens on M), or every pass's W_fb
@@ -177,33 +175,22 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
         return f"QKVG's {qkvg_ctas} CTAs leave none of {sms} SMs to the side chain"
     if side % cluster:
         return f"QKVG's {qkvg_ctas} CTAs leave {side} of {sms} SMs, not whole clusters of {cluster}"
+    fab_block = -(-fab_rows // (side * 8)) * 8
     if d % 64 or d > fab_rows:
         return f"F_B's K={d} must be a multiple of 64 within F_A/beta's {fab_rows} rows"
     # Where QKVG takes tokens on M in two consumer warpgroups (above 64 tokens), F_B's passes one after another on
     # the side-chain CTAs end well after QKVG: F_B runs as a tail on QKVG's CTAs instead (see WIDE_TOKENS_ON_M_STAGES).
     tail = tactic.tokens_on_m and tactic.consumer_warpgroups > 1
-    # Beside swap-AB QKVG, and beside a weight cluster where the SMs left hold F_A/beta split along K in pairs, the
-    # side chain runs swap-AB over every token of the launch (see split_side_chain). Beside a weight cluster that
-    # leaves fewer SMs F_A/beta takes QKVG's own form: its row blocks in clusters of the same token tiles, each CTA
-    # streaming fewer rows than a QKVG CTA; F_B then runs swap-AB over every token as beside swap-AB QKVG (in
-    # tokens-on-M passes, one after another, it ended 5.9 us after QKVG alone on H100, benchmarks/RESULTS.md).
+    # A weight cluster's CTAs each hold a share of M's tokens; its side chain runs swap-AB over all of them.
+    swap_ab_side = not tactic.tokens_on_m or cluster > 1
+    side_t = tactic.block_t * cluster  # the side chain's token tile: every token of the launch
     split = None
-    if not tactic.tokens_on_m or cluster > 1:
-        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k)
-    swap_ab_side = not tactic.tokens_on_m or split is not None
-    side_cluster = 1 if swap_ab_side else cluster
-    side_t = tactic.block_t * cluster // side_cluster  # the side chain's token tile
-    owners = side // side_cluster  # side-chain CTAs of one token tile
-    fab_block = -(-fab_rows // (owners * 8 * side_cluster)) * 8 * side_cluster  # whole 8-row boxes per cluster share
-    if side_cluster > 1 and fab_block >= tactic.block_n:
-        return (f"F_A/beta's {fab_block}-row blocks on {side} SMs beside QKVG's {tactic.block_n}-row weight cluster: "
-                "the side chain would end after QKVG")
     if tail:
         # One row block of F_B (a multiple of 8 rows) on each of QKVG's first CTAs, its K-tiles all in one ring.
         rows = -(-fb_rows // (qkvg_ctas * 8)) * 8
         fb = dataclasses.replace(tactic, block_n=rows, stages=d // 64, pdl=False)
         passes = 1
-    elif tactic.tokens_on_m and cluster == 1:
+    elif not swap_ab_side:
         # The fewest passes (at least FB_PASSES) splitting a side-chain CTA's share of F_B's rows into row blocks of
         # a multiple of 8 within the MMA's N.
         share = fb_rows // side if fb_rows % side == 0 else 0
@@ -217,28 +204,35 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
     else:
         # Swap-AB: F_A/beta split along K over pairs of side-chain CTAs where the SMs QKVG leaves hold them (see
         # split_side_chain); F_B's rows are the MMA's M, one 64-row atom per pass (one consumer warpgroup).
+        split = split_side_chain(qkvg_ctas, side, fab_rows, fb_rows, k)
         if split is not None:
             fab_block, side = split
+        elif cluster > 1:
+            # Beside 128 weight-cluster CTAs (Kimi-K3 TP 8: 96 rows each) 4 SMs are left. F_A/beta over all of K
+            # there ends after QKVG above 72 tokens beside 48-row swap-AB CTAs (see PADDED_ROWS_NARROW_MAX_M); split
+            # in two pairs of 72-row blocks (two padded atoms each) beside the cluster it ended after QKVG from 104
+            # tokens and gained nothing below (H100, benchmarks/RESULTS.md, levers).
+            return f"a weight cluster's {qkvg_ctas} CTAs leave {side} SMs, too few for F_A/beta split along K"
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
         passes = fb_rows // (side * ATOM_ROWS)
-        fb = WgmmaTactic(ATOM_ROWS, 64, tactic.block_t * cluster, d // 64, pdl=False)
+        fb = WgmmaTactic(ATOM_ROWS, 64, side_t, d // 64, pdl=False)
     # F_A/beta's CTA streams its weights at the rate of its ring's bytes in flight, so it takes the deepest ring the
     # SM holds (the launch's shared memory is one size for all CTAs, one CTA per SM): fewer rows in more slots than
     # a QKVG CTA, it finishes before QKVG and leaves that time to F_B. Under swap-AB its MMAs bound it, so there it
     # splits K where the free SMs hold the pairs (split_side_chain).
     fab_probe = dataclasses.replace(tactic, block_n=fab_block, block_t=side_t, stages=1,
                                     split_k=CLUSTER_SPLIT_K if split else 1, tokens_on_m=not swap_ab_side,
-                                    weight_cluster=side_cluster)
+                                    weight_cluster=1)
     ring = MAX_SMEM_BYTES - RING_OFFSET_BYTES
     fab_stages = ring // fab_probe.slot_bytes()
     fab = dataclasses.replace(fab_probe, stages=min(MAX_STAGES, fab_stages))
     # Each side-chain CTA (each pair, where F_A/beta splits K) owns one F_A/beta row block: one past the rows would
     # store past them, since only a partial last row block checks its rows.
-    owners = side // (fab.split_k * side_cluster)
+    owners = side // fab.split_k
     if row_blocks(fab_rows, fab.block_n) < owners:
         return (f"F_A/beta's {fab_rows} rows in row blocks of {fab.block_n} leave some of the {owners} side-chain "
-                f"{'CTAs' if owners == side else 'pairs'} without rows")
+                f"{'pairs' if fab.split_k > 1 else 'CTAs'} without rows")
     found = StagePlan(tactic, fab, fb, side, passes, tail)
     if found.fb_smem_bytes() > ring:
         return f"F_B's {passes} passes of {fb.stages} K-tiles need more than {ring} bytes of shared memory"
@@ -424,18 +418,15 @@ class WgmmaStage:
                     self.fb._tile_per_cta(fb_loop, b_w_tma, b_w_src, b_x_tma, b_x_src, fb_s_w, fb_s_x, fb_s_x_box,
                                           ring, m_g1_t, None, None, None, b_mma, warp, tidx, bidx - p.side, 0, 0)
         else:
-            # F_A/beta's row block, and its K-half or token tile (the cluster rank) in a cluster.
-            row_block, token_tile, k_half = bidx, 0, 0
-            if cutlass.const_expr(p.fab.in_cluster):
-                row_block, k_half = bidx // CLUSTER_SPLIT_K, bidx % CLUSTER_SPLIT_K
-            elif cutlass.const_expr(p.fab.weight_cluster > 1):
-                row_block, token_tile = bidx // p.fab.weight_cluster, bidx % p.fab.weight_cluster
             if cutlass.const_expr(not p.fb_tail):
                 if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
                     self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx * p.fb_passes, p.fb_passes)
             mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
+            row_block, k_half = bidx, 0
+            if cutlass.const_expr(p.fab.in_cluster):  # row block bidx // 2, K-half (cluster rank) bidx % 2
+                row_block, k_half = bidx // CLUSTER_SPLIT_K, bidx % CLUSTER_SPLIT_K
             self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
-                                   None, None, None, f_mma, warp, tidx, row_block, token_tile, k_half)
+                                   None, None, None, f_mma, warp, tidx, row_block, 0, k_half)
             if cutlass.const_expr(p.fb_tail):
                 self._count_in(m_chain, tidx)
             else:
