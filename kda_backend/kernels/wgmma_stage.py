@@ -20,8 +20,9 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
 - tokens on M with the two token tiles of each row block sharing every weight tile in a cluster
   (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): the side chain then runs swap-AB over both tiles'
   tokens, as above, split in pairs where the SMs QKVG leaves hold them (110 CTAs of 112 rows leave 22 at TP 8). Not
-  served by :func:`fused_stage_tactic`: on two H100s it ran within 0.2 us of the 56-row swap-AB form at M = 80..112
-  and 0.05-0.41 us faster at 120 / 128 (benchmarks/RESULTS.md, levers); not measured on H200.
+  served by :func:`fused_stage_tactic`: on five H100s it ran within 0.2 us of the 56-row swap-AB form at M = 80..112
+  (once 0.4 slower) and up to 0.5 us faster at 120 / 128 (once 0.9 slower; benchmarks/RESULTS.md, levers); not
+  measured on H200.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each (with a weight cluster one per token tile, in a cluster); ``side`` is what QKVG
@@ -211,7 +212,8 @@ def plan_stage(tactic: WgmmaTactic, qkvg_rows: int, fab_rows: int, fb_rows: int,
             # Beside 128 weight-cluster CTAs (Kimi-K3 TP 8: 96 rows each) 4 SMs are left. F_A/beta over all of K
             # there ends after QKVG above 72 tokens beside 48-row swap-AB CTAs (see PADDED_ROWS_NARROW_MAX_M); split
             # in two pairs of 72-row blocks (two padded atoms each) beside the cluster it ended after QKVG from 104
-            # tokens and gained nothing below (H100, benchmarks/RESULTS.md, levers).
+            # tokens and gained nothing below, and in the cluster's own form (80-row blocks, each in a cluster of the
+            # two token tiles) after QKVG at every M from 88 (H100, benchmarks/RESULTS.md, levers).
             return f"a weight cluster's {qkvg_ctas} CTAs leave {side} SMs, too few for F_A/beta split along K"
         if fb_rows % (side * ATOM_ROWS):
             return f"F_B's {fb_rows} rows do not split into {side} shares of {ATOM_ROWS}-row passes"
