@@ -74,6 +74,10 @@ def run_group(program: str, world_size: int, checkpoint_dir: Path, folder: Path,
     # The ranks choose their plans from their own cache folders only: no forced plan or tuning from outside.
     env = {k: v for k, v in os.environ.items() if not k.startswith("KDA_BACKEND_")}
     env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests / "engines"), env.get("PYTHONPATH", "")])
+    # One CPU thread per rank: the ranks share the machine's cores, and with more threads the CPU BLAS may split a
+    # skinny GEMM's K by the GEMM's shape (on 2 threads a 1536-row shard's M = 1 GEMV summed in another order than
+    # the same rows inside TP1's 6144), which would make gathered shards differ from TP1 in the last bit.
+    env["OMP_NUM_THREADS"] = "1"
     port = free_port()
     start = time.monotonic()
     deadline = start + timeout_s
