@@ -137,7 +137,7 @@ class WgmmaTactic(SplitKSchedule):
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
     :param weight_cluster: with ``tokens_on_m``, the CTAs of one row block and this many neighbouring token tiles
         (grid y) run as one thread-block cluster that shares every weight tile: each loads ``1 / weight_cluster``
-        of the tile's rows by TMA multicast into every CTA of it, so L2 serves each weight byte once per cluster,
+        of the tile's rows (:attr:`weight_box_rows`) by TMA multicast into every CTA of it, so L2 serves each weight byte once per cluster,
         not once per token tile. A slot is refilled once the consumers of every CTA of the cluster freed it. The
         token tile is then M split over the cluster (:meth:`for_tokens`). Measured on H200 for Kimi-K3 TP 8 QKVG
         alone, 128 CTAs of 96 rows in 11 slots: 23.37 / 24.82 us at M = 96 / 128, where the same CTAs without the
@@ -175,6 +175,13 @@ class WgmmaTactic(SplitKSchedule):
     def uses_workspace(self) -> bool:
         """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
         return self.split_k > 1 and not self.in_cluster
+
+    @property
+    def weight_box_rows(self) -> int:
+        """Rows of one weight TMA box in a weight cluster: each CTA's share of the tile where that is whole 8-row
+        swizzle atoms, else one atom, the tile's boxes dealt to the cluster's CTAs in turn (104 rows: 7 and 6)."""
+        share = self.block_n // self.weight_cluster
+        return share if share % BOX_ROWS == 0 else BOX_ROWS
 
     def ctas(self, n: int, m: int) -> int:
         """CTAs of one launch: a weight cluster's token tiles come in whole clusters."""
@@ -271,9 +278,8 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
-        if t.weight_cluster not in WEIGHT_CLUSTERS or t.block_n % (BOX_ROWS * t.weight_cluster):
-            return (f"weight_cluster={t.weight_cluster} must be one of {WEIGHT_CLUSTERS}, sharing block_n={t.block_n} "
-                    f"rows in multiples of {BOX_ROWS}")
+        if t.weight_cluster not in WEIGHT_CLUSTERS:
+            return f"weight_cluster={t.weight_cluster} must be one of {WEIGHT_CLUSTERS}"
     elif t.weight_cluster != 1:
         return f"weight_cluster={t.weight_cluster}: only tokens_on_m CTAs share weight tiles (1 otherwise)"
     elif t.padded_rows:
@@ -507,7 +513,7 @@ class WgmmaGemm:
         """``(w_box, s_w_box_layout)``: the weights' TMA box and the ring as those boxes fill it: one box per tile
         (``s_w_layout``, the weight ring's layout, itself), or where :attr:`WgmmaTactic.padded_rows` boxes of 8 rows,
         box j of slot s rows 8j .. 8j + 7 of that slot's 64-row tile (one 128-byte swizzle atom each); in a weight
-        cluster of c CTAs boxes of ``block_n / c`` rows, box j of slot s the tile's j-th share (whole swizzle atoms,
+        cluster boxes of :attr:`WgmmaTactic.weight_box_rows`, box j of slot s the tile's j-th (whole swizzle atoms,
         so the boxes lie in the tile exactly as its rows do)."""
         t = self.tactic
         if t.padded_rows:
@@ -516,9 +522,9 @@ class WgmmaGemm:
                 t.stages * t.mma_rows // BOX_ROWS,
             )
         if t.weight_cluster > 1:
-            share = t.block_n // t.weight_cluster
-            return (share, t.block_k), hopper_helpers.make_smem_layout_b(
-                LayoutEnum.ROW_MAJOR, (t.mma_tokens, share, t.block_k), dtype, t.stages * t.weight_cluster,
+            rows = t.weight_box_rows
+            return (rows, t.block_k), hopper_helpers.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, (t.mma_tokens, rows, t.block_k), dtype, t.stages * t.block_n // rows,
             )
         return (t.block_n, t.block_k), s_w_layout
 
@@ -699,7 +705,7 @@ class WgmmaGemm:
         if cutlass.const_expr(t.padded_rows):
             g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
         elif cutlass.const_expr(t.weight_cluster > 1):
-            g_w = cute.local_tile(w_src, (t.block_n // t.weight_cluster, t.block_k), (None, None))
+            g_w = cute.local_tile(w_src, (t.weight_box_rows, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
         if cutlass.const_expr(t.tokens_on_m):
@@ -750,20 +756,28 @@ class WgmmaGemm:
             # The CTA stays until the cluster's consumers freed its slots: they arrive on its barriers remotely.
             mainloop.producer_tail(state)
 
+    @cute.jit
     def _load_w(self, w_tma, t_gw, t_sw, row_block, token_tile, k, slot, bar, policy) -> None:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
-        :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows; in a weight cluster the share of the
-        CTA's rank (its token tile's place in the cluster), multicast into every CTA of the cluster."""
+        :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows; in a weight cluster the boxes of the
+        CTA's rank (its token tile's place in the cluster: box j is rank ``j mod c``'s), each multicast into every
+        CTA of the cluster. A box wholly past N reads the last one instead (an L2 hit, where the TMA unit would
+        zero-fill it slowly): its rows are never stored."""
         t = self.tactic
         if cutlass.const_expr(t.weight_cluster > 1):
-            rank = token_tile % t.weight_cluster  # the cluster runs along the token tiles (grid y)
-            everyone = cutlass.Int16((1 << t.weight_cluster) - 1)
-            cute.copy(w_tma, t_gw[None, row_block * t.weight_cluster + rank, k],
-                      t_sw[None, slot * t.weight_cluster + rank], tma_bar_ptr=bar, mcast_mask=everyone,
-                      cache_policy=policy)
-            return
-        boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
-        _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
+            cluster, per_tile = t.weight_cluster, t.block_n // t.weight_box_rows
+            last = -(-self.n // t.weight_box_rows) - 1
+            rank = token_tile % cluster  # the cluster runs along the token tiles (grid y)
+            everyone = cutlass.Int16((1 << cluster) - 1)
+            for j in cutlass.range_constexpr(-(-per_tile // cluster)):
+                box = j * cluster + rank
+                if box < per_tile:  # an uneven deal leaves the last turn to the first ranks
+                    cute.copy(w_tma, t_gw[None, cutlass.min(row_block * per_tile + box, last), k],
+                              t_sw[None, slot * per_tile + box], tma_bar_ptr=bar, mcast_mask=everyone,
+                              cache_policy=policy)
+        else:
+            boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
+            _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
