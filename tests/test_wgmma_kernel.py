@@ -352,7 +352,7 @@ def test_weight_clusters_match_reference_with_partial_row_blocks(m):
     and 2), the last row block's boxes wholly past N reading the last real one (TP 8 QKVG: 8 rows of 104);
     relaunches are bit-identical."""
     _check(WgmmaTactic(96, 64, 64, 7, tokens_on_m=True, weight_cluster=2).for_tokens(m), m, QKVG_TP8, seed=m)
-    _check(WgmmaTactic(104, 64, 64, 10, tokens_on_m=True, weight_cluster=2).for_tokens(m), m, QKVG_TP8, seed=m)
+    _check(WgmmaTactic(104, 64, 64, 7, tokens_on_m=True, weight_cluster=2).for_tokens(m), m, QKVG_TP8, seed=m)
     _check(WgmmaTactic(40, 64, 64, 8, tokens_on_m=True, weight_cluster=2, pdl=False).for_tokens(m), m, 136, seed=m)
     _check(WgmmaTactic(48, 64, 64, 8, tokens_on_m=True, weight_cluster=2, pdl=False).for_tokens(m), m, 136, seed=m)
     _check(WgmmaTactic(96, 64, 32, 8, tokens_on_m=True, weight_cluster=2), m, QKVG_TP4, seed=m)  # 4+ tiles along y

@@ -761,8 +761,8 @@ class WgmmaGemm:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
         :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows; in a weight cluster the boxes of the
         CTA's rank (its token tile's place in the cluster: box j is rank ``j mod c``'s), each multicast into every
-        CTA of the cluster. A box wholly past N reads the last one instead (an L2 hit, where the TMA unit would
-        zero-fill it slowly): its rows are never stored."""
+        CTA of the cluster. A box wholly past N reads the last one instead, an L2 hit (the TMA unit zero-fills boxes
+        past a tensor's end slowly, as measured for tokens past M): its rows are never stored."""
         t = self.tactic
         if cutlass.const_expr(t.weight_cluster > 1):
             cluster, per_tile = t.weight_cluster, t.block_n // t.weight_box_rows
@@ -771,13 +771,22 @@ class WgmmaGemm:
             everyone = cutlass.Int16((1 << cluster) - 1)
             for j in cutlass.range_constexpr(-(-per_tile // cluster)):
                 box = j * cluster + rank
-                if box < per_tile:  # an uneven deal leaves the last turn to the first ranks
-                    cute.copy(w_tma, t_gw[None, cutlass.min(row_block * per_tile + box, last), k],
-                              t_sw[None, slot * per_tile + box], tma_bar_ptr=bar, mcast_mask=everyone,
-                              cache_policy=policy)
+                if cutlass.const_expr((j + 1) * cluster <= per_tile):  # every rank has a box in this turn
+                    self._multicast_w(w_tma, t_gw, t_sw, cutlass.min(row_block * per_tile + box, last), k,
+                                      slot * per_tile + box, bar, everyone, policy)
+                elif box < per_tile:  # an uneven deal's last turn: the first ranks only
+                    self._multicast_w(w_tma, t_gw, t_sw, cutlass.min(row_block * per_tile + box, last), k,
+                                      slot * per_tile + box, bar, everyone, policy)
         else:
             boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
             _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
+
+    @staticmethod
+    def _multicast_w(w_tma, t_gw, t_sw, box, k, slot_box, bar, mask, policy) -> None:
+        """Start weight box ``box``'s TMA load of K-tile ``k`` into box ``slot_box`` of the ring, multicast into the
+        cluster's CTAs in ``mask``."""
+        cute.copy(w_tma, t_gw[None, box, k], t_sw[None, slot_box], tma_bar_ptr=bar, mcast_mask=mask,
+                  cache_policy=policy)
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
