@@ -135,12 +135,12 @@ class WgmmaTactic(SplitKSchedule):
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
-    :param weight_cluster: with ``tokens_on_m``, the CTAs of one row block and this many neighbouring token tiles
-        (grid y) run as one thread-block cluster that shares every weight tile: each loads ``1 / weight_cluster``
-        of the tile's rows (:attr:`weight_box_rows`) by TMA multicast into every CTA of it, so L2 serves each weight
-        byte once per cluster, not once per token tile. A slot is refilled once the consumers of every CTA of the
-        cluster freed it. The token tile is then M split over the cluster (:meth:`for_tokens`). Measured on H200 for
-        Kimi-K3 TP 8 QKVG alone, 128 CTAs of 96 rows in 11 slots: 23.37 / 24.82 us at M = 96 / 128, where the same CTAs without the
+    :param weight_cluster: with ``tokens_on_m``, the CTAs of one row block and this many neighbouring token tiles (grid
+        y) run as one thread-block cluster that shares every weight tile: each loads ``1 / weight_cluster`` of the
+        tile's rows (:attr:`weight_box_rows`) by TMA multicast into every CTA of it, so L2 serves each weight byte once
+        per cluster, not once per token tile. A slot is refilled once the consumers of every CTA of the cluster freed
+        it. The token tile is then M split over the cluster (:meth:`for_tokens`). Measured on H200 for Kimi-K3 TP 8 QKVG
+        alone, 128 CTAs of 96 rows in 11 slots: 23.37 / 24.82 us at M = 96 / 128, where the same CTAs without the
         cluster took 31.2-33.1 on another H200 (`benchmarks/results/levers/wgmma-weight-cluster/`, RESULTS.md).
     """
 
