@@ -63,12 +63,6 @@ def _cluster(m):
     return WgmmaTactic(112, 64, 64, 10, tokens_on_m=True, weight_cluster=2).for_tokens(m)
 
 
-def _cluster_104(m):
-    """As :func:`_cluster` with 104 rows per CTA in 8-row boxes dealt to the cluster's two CTAs in turn (120 CTAs at
-    TP 8, 12 SMs left: just the side chain's split pairs; the last row block holds 8 rows)."""
-    return WgmmaTactic(104, 64, 64, 10, tokens_on_m=True, weight_cluster=2).for_tokens(m)
-
-
 def test_above_64_tokens_the_fused_stage_takes_swap_ab_qkvg():
     for m, rows in ((65, 48), (72, 48), (80, 56), (FUSED_MAX_M, 56)):
         tactic = fused_stage_tactic(G.qkvg_rows, G.hidden_size, m)
@@ -135,13 +129,11 @@ def test_a_weight_cluster_qkvg_leaves_the_side_chain_swap_ab_over_every_token():
     assert "one consumer warpgroup each" in validate_stage(
         WgmmaTactic(96, 64, 128, 5, tokens_on_m=True, weight_cluster=2), *SHAPES)
     assert "not whole clusters of 2" in validate_stage(_cluster(128), *SHAPES, sms=131)
-    plan = plan_stage(_cluster_104(128), *SHAPES)
-    assert (plan.qkvg.ctas(G.qkvg_rows, 128), plan.side, plan.fab.block_n, plan.fab.in_cluster) == (120, 12, 24, True)
 
 
-@pytest.mark.parametrize(("m", "tactic"), [(96, _cluster), (128, _cluster), (128, _cluster_104)])
-def test_the_weight_cluster_stage_compiles_for_sm90a(m, tactic):
-    assert compile_stage(WgmmaStage(tactic(m), *SHAPES), "sm_90a") is not None
+@pytest.mark.parametrize("m", [96, 128])
+def test_the_weight_cluster_stage_compiles_for_sm90a(m):
+    assert compile_stage(WgmmaStage(_cluster(m), *SHAPES), "sm_90a") is not None
 
 
 def test_the_side_chain_splits_only_under_swap_ab():
@@ -317,7 +309,7 @@ def _run(kernel, x, w_qkvg, w_fab, w_fb, outs, chain):
                          + [(m, _swap_ab) for m in (65, 72, 100, 128, 136, 200, 256)]
                          + [(m, _wide) for m in (65, 72, 100, 128)]
                          + [(m, _fused) for m in (136, 224)]
-                         + [(m, _cluster) for m in (65, 97, 128)] + [(m, _cluster_104) for m in (65, 97, 128)]
+                         + [(m, _cluster) for m in (65, 97, 128)]
                          + [(m, _tp4) for m in (17, 64, 65, 100, 128)])
 def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
     kernel, g = _stage(tactic, m)
@@ -341,7 +333,7 @@ def test_matches_fp32_and_leaves_its_counters_zero(m, tactic):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(("m", "tactic"), [(24, _tactic), (64, _tactic), (128, _tactic), (96, _swap_ab), (128, _wide),
-                                           (100, _cluster), (100, _cluster_104),
+                                           (100, _cluster),
                                            (256, _swap_ab), (224, _fused), (40, _tp4), (120, _tp4)])
 def test_graph_replay_with_new_inputs_equals_eager_bitwise(m, tactic):
     kernel, g = _stage(tactic, m)

@@ -135,11 +135,11 @@ class WgmmaTactic(SplitKSchedule):
         (64-element K-tiles, no split-K). A CTA may then own fewer than 64 weight rows, so more CTAs stream the
         weights.
     :param pdl: launch with programmatic dependent launch (weight prologue before ``griddepcontrol.wait``).
-    :param weight_cluster: with ``tokens_on_m``, the CTAs of one row block and this many neighbouring token tiles (grid
-        y) run as one thread-block cluster that shares every weight tile: each loads ``1 / weight_cluster`` of the
-        tile's rows (:attr:`weight_box_rows`) by TMA multicast into every CTA of it, so L2 serves each weight byte once
-        per cluster, not once per token tile. A slot is refilled once the consumers of every CTA of the cluster freed
-        it. The token tile is then M split over the cluster (:meth:`for_tokens`). Measured on H200 for Kimi-K3 TP 8 QKVG
+    :param weight_cluster: with ``tokens_on_m``, the CTAs of one row block and this many neighbouring token tiles
+        (grid y) run as one thread-block cluster that shares every weight tile: each loads ``1 / weight_cluster``
+        of the tile's rows by TMA multicast into every CTA of it, so L2 serves each weight byte once per cluster,
+        not once per token tile. A slot is refilled once the consumers of every CTA of the cluster freed it. The
+        token tile is then M split over the cluster (:meth:`for_tokens`). Measured on H200 for Kimi-K3 TP 8 QKVG
         alone, 128 CTAs of 96 rows in 11 slots: 23.37 / 24.82 us at M = 96 / 128, where the same CTAs without the
         cluster took 31.2-33.1 on another H200 (`benchmarks/results/levers/wgmma-weight-cluster/`, RESULTS.md).
     """
@@ -175,13 +175,6 @@ class WgmmaTactic(SplitKSchedule):
     def uses_workspace(self) -> bool:
         """Whether a launch takes an fp32 workspace and arrival counters (split-K outside a cluster)."""
         return self.split_k > 1 and not self.in_cluster
-
-    @property
-    def weight_box_rows(self) -> int:
-        """Rows of one weight TMA box in a weight cluster: each CTA's share of the tile where that is whole 8-row
-        swizzle atoms, else one atom, the tile's boxes dealt to the cluster's CTAs in turn (104 rows: 7 and 6)."""
-        share = self.block_n // self.weight_cluster
-        return share if share % BOX_ROWS == 0 else BOX_ROWS
 
     def ctas(self, n: int, m: int) -> int:
         """CTAs of one launch: a weight cluster's token tiles come in whole clusters."""
@@ -278,8 +271,9 @@ def validate_wgmma_tactic(tactic: WgmmaTactic, n: int, k: int, x_row_stride: int
             return f"block_k={t.block_k}: tokens_on_m loads 8-token boxes of one 64-element swizzle atom"
         if t.split_k != 1:
             return f"split_k={t.split_k}: tokens_on_m runs unsplit (its narrow CTAs fill the SMs)"
-        if t.weight_cluster not in WEIGHT_CLUSTERS:
-            return f"weight_cluster={t.weight_cluster} must be one of {WEIGHT_CLUSTERS}"
+        if t.weight_cluster not in WEIGHT_CLUSTERS or t.block_n % (BOX_ROWS * t.weight_cluster):
+            return (f"weight_cluster={t.weight_cluster} must be one of {WEIGHT_CLUSTERS}, sharing block_n={t.block_n} "
+                    f"rows in multiples of {BOX_ROWS}")
     elif t.weight_cluster != 1:
         return f"weight_cluster={t.weight_cluster}: only tokens_on_m CTAs share weight tiles (1 otherwise)"
     elif t.padded_rows:
@@ -513,7 +507,7 @@ class WgmmaGemm:
         """``(w_box, s_w_box_layout)``: the weights' TMA box and the ring as those boxes fill it: one box per tile
         (``s_w_layout``, the weight ring's layout, itself), or where :attr:`WgmmaTactic.padded_rows` boxes of 8 rows,
         box j of slot s rows 8j .. 8j + 7 of that slot's 64-row tile (one 128-byte swizzle atom each); in a weight
-        cluster boxes of :attr:`WgmmaTactic.weight_box_rows`, box j of slot s the tile's j-th (whole swizzle atoms,
+        cluster of c CTAs boxes of ``block_n / c`` rows, box j of slot s the tile's j-th share (whole swizzle atoms,
         so the boxes lie in the tile exactly as its rows do)."""
         t = self.tactic
         if t.padded_rows:
@@ -522,9 +516,9 @@ class WgmmaGemm:
                 t.stages * t.mma_rows // BOX_ROWS,
             )
         if t.weight_cluster > 1:
-            rows = t.weight_box_rows
-            return (rows, t.block_k), hopper_helpers.make_smem_layout_b(
-                LayoutEnum.ROW_MAJOR, (t.mma_tokens, rows, t.block_k), dtype, t.stages * t.block_n // rows,
+            share = t.block_n // t.weight_cluster
+            return (share, t.block_k), hopper_helpers.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, (t.mma_tokens, share, t.block_k), dtype, t.stages * t.weight_cluster,
             )
         return (t.block_n, t.block_k), s_w_layout
 
@@ -705,7 +699,7 @@ class WgmmaGemm:
         if cutlass.const_expr(t.padded_rows):
             g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
         elif cutlass.const_expr(t.weight_cluster > 1):
-            g_w = cute.local_tile(w_src, (t.weight_box_rows, t.block_k), (None, None))
+            g_w = cute.local_tile(w_src, (t.block_n // t.weight_cluster, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
         if cutlass.const_expr(t.tokens_on_m):
@@ -756,37 +750,20 @@ class WgmmaGemm:
             # The CTA stays until the cluster's consumers freed its slots: they arrive on its barriers remotely.
             mainloop.producer_tail(state)
 
-    @cute.jit
     def _load_w(self, w_tma, t_gw, t_sw, row_block, token_tile, k, slot, bar, policy) -> None:
         """Start the weight tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or where
-        :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows; in a weight cluster the boxes of the
-        CTA's rank (its token tile's place in the cluster: box j is rank ``j mod c``'s), each multicast into every
-        CTA of the cluster. A box wholly past N reads the last one instead, an L2 hit (the TMA unit zero-fills boxes
-        past a tensor's end slowly, as measured for tokens past M): its rows are never stored."""
+        :attr:`WgmmaTactic.padded_rows` one box per 8 of the row block's rows; in a weight cluster the share of the
+        CTA's rank (its token tile's place in the cluster), multicast into every CTA of the cluster."""
         t = self.tactic
         if cutlass.const_expr(t.weight_cluster > 1):
-            cluster, per_tile = t.weight_cluster, t.block_n // t.weight_box_rows
-            last = -(-self.n // t.weight_box_rows) - 1
-            rank = token_tile % cluster  # the cluster runs along the token tiles (grid y)
-            everyone = cutlass.Int16((1 << cluster) - 1)
-            for j in cutlass.range_constexpr(-(-per_tile // cluster)):
-                box = j * cluster + rank
-                if cutlass.const_expr((j + 1) * cluster <= per_tile):  # every rank has a box in this turn
-                    self._multicast_w(w_tma, t_gw, t_sw, cutlass.min(row_block * per_tile + box, last), k,
-                                      slot * per_tile + box, bar, everyone, policy)
-                elif box < per_tile:  # an uneven deal's last turn: the first ranks only
-                    self._multicast_w(w_tma, t_gw, t_sw, cutlass.min(row_block * per_tile + box, last), k,
-                                      slot * per_tile + box, bar, everyone, policy)
-        else:
-            boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
-            _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
-
-    @staticmethod
-    def _multicast_w(w_tma, t_gw, t_sw, box, k, slot_box, bar, mask, policy) -> None:
-        """Start weight box ``box``'s TMA load of K-tile ``k`` into box ``slot_box`` of the ring, multicast into the
-        cluster's CTAs in ``mask``."""
-        cute.copy(w_tma, t_gw[None, box, k], t_sw[None, slot_box], tma_bar_ptr=bar, mcast_mask=mask,
-                  cache_policy=policy)
+            rank = token_tile % t.weight_cluster  # the cluster runs along the token tiles (grid y)
+            everyone = cutlass.Int16((1 << t.weight_cluster) - 1)
+            cute.copy(w_tma, t_gw[None, row_block * t.weight_cluster + rank, k],
+                      t_sw[None, slot * t.weight_cluster + rank], tma_bar_ptr=bar, mcast_mask=everyone,
+                      cache_policy=policy)
+            return
+        boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
+        _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
