@@ -257,10 +257,7 @@ def split_side_chain(qkvg_ctas: int, free: int, fab_rows: int, fb_rows: int, k: 
     F_B after it (benchmarks/results/levers/fused-stage-split-side-chain/)."""
     if (k // 64) % CLUSTER_SPLIT_K:
         return None
-    import os
-    diag = os.environ.get('KDA_DIAG_STAGE', '')
-    first = int(diag[4:]) if diag.startswith('rows') else 8  # diagnostic: F_A/beta's row blocks at least this
-    for rows in range(first, ATOM_ROWS, 8):
+    for rows in range(8, ATOM_ROWS, 8):
         ctas = CLUSTER_SPLIT_K * row_blocks(fab_rows, rows)
         if ctas <= free and (ctas + qkvg_ctas) % CLUSTER_SPLIT_K == 0 and fb_rows % (ctas * ATOM_ROWS) == 0:
             return rows, ctas
@@ -330,9 +327,6 @@ class WgmmaStage:
         self.k, self.d, self.fab_rows = k, d, fab_rows
         self.qkvg = WgmmaGemm(found.qkvg, qkvg_rows, k, k, k)
         self.fab = WgmmaGemm(found.fab, fab_rows, k, k, k)
-        import os
-        if os.environ.get('KDA_DIAG_STAGE', '') == 'fabk8':  # diagnostic: F_A/beta over K / 8 (wrong outputs)
-            self.fab = WgmmaGemm(found.fab, fab_rows, k // 8, k, k)
         # F_B's activations: f_a, the first d columns of the F_A/beta output (row stride fab_rows).
         self.fb = WgmmaGemm(found.fb, fb_rows, d, fab_rows, d)
 
@@ -409,68 +403,59 @@ class WgmmaStage:
         ring = smem.allocate_array(dtype, (self.smem_bytes() - RING_OFFSET_BYTES) // 2,
                                    byte_alignment=SWIZZLE_ATOM_BYTES)
         fb_barriers = barriers + 2 * max(p.qkvg.stages, p.fab.stages)
-        # Diagnostic: KDA_DIAG_STAGE=noqkvg / noside leaves QKVG's or the side chain's CTAs idle.
-        import os
-        diag = os.environ.get('KDA_DIAG_STAGE', '')
-        late_cycles = int(diag[4:]) * 2000 if diag.startswith('late') else 0
         if bidx >= p.side:
-            if cutlass.const_expr(diag != 'noqkvg'):
-                if cutlass.const_expr(p.fb_tail):
-                    if bidx - p.side < p.waiters(self.fb.n):
-                        if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
-                            self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx - p.side, 1)
-                mainloop, s_w, s_x, s_x_box = self.qkvg._pipeline_on(barriers, ring, dtype, q_s_w, q_s_x, q_s_x_box)
-                # A weight cluster's CTAs are its row block's token tiles, the cluster rank the token tile.
-                row_block, token_tile = (bidx - p.side) // p.qkvg.weight_cluster, (bidx - p.side) % p.qkvg.weight_cluster
-                self.qkvg._tile_per_cta(mainloop, q_w_tma, q_w_src, q_x_tma, q_x_src, s_w, s_x, s_x_box, ring, m_qkvg_t,
-                                        None, None, None, q_mma, warp, tidx, row_block, token_tile, 0)
-                if cutlass.const_expr(p.fb_tail):
-                    if bidx - p.side < p.waiters(self.fb.n):
-                        self._wait_for_side_chain(m_chain, tidx)
-                        fb_loop, fb_s_w, fb_s_x, fb_s_x_box = self.fb._pipeline_on(fb_barriers, ring, dtype, b_s_w,
-                                                                                   b_s_x, b_s_x_box)
-                        self.fb._tile_per_cta(fb_loop, b_w_tma, b_w_src, b_x_tma, b_x_src, fb_s_w, fb_s_x, fb_s_x_box,
-                                              ring, m_g1_t, None, None, None, b_mma, warp, tidx, bidx - p.side, 0, 0)
-        else:
-            if cutlass.const_expr(late_cycles > 0):
-                # Diagnostic: the side chain starts about N us late (N * 2000 SM cycles).
-                self._diag_spin(tidx, late_cycles)
-            if cutlass.const_expr(diag != 'noside'):
-                if cutlass.const_expr(not p.fb_tail):
+            if cutlass.const_expr(p.fb_tail):
+                if bidx - p.side < p.waiters(self.fb.n):
                     if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
-                        self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx * p.fb_passes, p.fb_passes)
-                mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
-                row_block, k_half = bidx, 0
-                if cutlass.const_expr(p.fab.in_cluster):  # row block bidx // 2, K-half (cluster rank) bidx % 2
-                    row_block, k_half = bidx // CLUSTER_SPLIT_K, bidx % CLUSTER_SPLIT_K
-                self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
-                                       None, None, None, f_mma, warp, tidx, row_block, 0, k_half)
-                if cutlass.const_expr(p.fb_tail):
-                    self._count_in(m_chain, tidx)
-                else:
-                    if cutlass.const_expr(p.fb_resident):
-                        if tidx == 0:  # made visible by the wait's CTA barrier
-                            for j in cutlass.range_constexpr(p.fb_passes):
-                                cute.arch.mbarrier_init(fb_barriers + j, 1)
-                            cute.arch.mbarrier_init_fence()
-                    self._count_in(m_chain, tidx)
+                        self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx - p.side, 1)
+            mainloop, s_w, s_x, s_x_box = self.qkvg._pipeline_on(barriers, ring, dtype, q_s_w, q_s_x, q_s_x_box)
+            # A weight cluster's CTAs are its row block's token tiles, the cluster rank the token tile.
+            row_block, token_tile = (bidx - p.side) // p.qkvg.weight_cluster, (bidx - p.side) % p.qkvg.weight_cluster
+            self.qkvg._tile_per_cta(mainloop, q_w_tma, q_w_src, q_x_tma, q_x_src, s_w, s_x, s_x_box, ring, m_qkvg_t,
+                                    None, None, None, q_mma, warp, tidx, row_block, token_tile, 0)
+            if cutlass.const_expr(p.fb_tail):
+                if bidx - p.side < p.waiters(self.fb.n):
                     self._wait_for_side_chain(m_chain, tidx)
-                    if cutlass.const_expr(p.fb_resident):
-                        self._fb_on_resident_f_a(b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, fb_barriers, ring, m_g1_t,
-                                                 warp, tidx, bidx)
-                    else:
-                        # F_B's passes one after another in one ring, each with its own barriers: each pass's pipeline
-                        # syncs the CTA, so the pass before has stored its output tile from the ring by then; the proxy
-                        # fence orders those generic reads before the next pass's TMA writes.
+                    fb_loop, fb_s_w, fb_s_x, fb_s_x_box = self.fb._pipeline_on(fb_barriers, ring, dtype, b_s_w,
+                                                                               b_s_x, b_s_x_box)
+                    self.fb._tile_per_cta(fb_loop, b_w_tma, b_w_src, b_x_tma, b_x_src, fb_s_w, fb_s_x, fb_s_x_box,
+                                          ring, m_g1_t, None, None, None, b_mma, warp, tidx, bidx - p.side, 0, 0)
+        else:
+            if cutlass.const_expr(not p.fb_tail):
+                if tidx == p.qkvg.consumer_threads:  # the producer warp's first thread
+                    self._prefetch_fb_weights(b_w_tma, b_w_src, ring, b_s_w, dtype, bidx * p.fb_passes, p.fb_passes)
+            mainloop, s_w, s_x, s_x_box = self.fab._pipeline_on(barriers, ring, dtype, f_s_w, f_s_x, f_s_x_box)
+            row_block, k_half = bidx, 0
+            if cutlass.const_expr(p.fab.in_cluster):  # row block bidx // 2, K-half (cluster rank) bidx % 2
+                row_block, k_half = bidx // CLUSTER_SPLIT_K, bidx % CLUSTER_SPLIT_K
+            self.fab._tile_per_cta(mainloop, f_w_tma, f_w_src, f_x_tma, f_x_src, s_w, s_x, s_x_box, ring, m_fab_t,
+                                   None, None, None, f_mma, warp, tidx, row_block, 0, k_half)
+            if cutlass.const_expr(p.fb_tail):
+                self._count_in(m_chain, tidx)
+            else:
+                if cutlass.const_expr(p.fb_resident):
+                    if tidx == 0:  # made visible by the wait's CTA barrier
                         for j in cutlass.range_constexpr(p.fb_passes):
-                            if cutlass.const_expr(j > 0):
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                            mainloop, s_w, s_x, s_x_box = self.fb._pipeline_on(
-                                fb_barriers + j * 2 * p.fb.stages, ring, dtype, b_s_w, b_s_x, b_s_x_box
-                            )
-                            self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
-                                                  ring, m_g1_t, None, None, None, b_mma, warp, tidx,
-                                                  bidx * p.fb_passes + j, 0, 0)
+                            cute.arch.mbarrier_init(fb_barriers + j, 1)
+                        cute.arch.mbarrier_init_fence()
+                self._count_in(m_chain, tidx)
+                self._wait_for_side_chain(m_chain, tidx)
+                if cutlass.const_expr(p.fb_resident):
+                    self._fb_on_resident_f_a(b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, fb_barriers, ring, m_g1_t,
+                                             warp, tidx, bidx)
+                else:
+                    # F_B's passes one after another in one ring, each with its own barriers: each pass's pipeline
+                    # syncs the CTA, so the pass before has stored its output tile from the ring by then; the proxy
+                    # fence orders those generic reads before the next pass's TMA writes.
+                    for j in cutlass.range_constexpr(p.fb_passes):
+                        if cutlass.const_expr(j > 0):
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                        mainloop, s_w, s_x, s_x_box = self.fb._pipeline_on(
+                            fb_barriers + j * 2 * p.fb.stages, ring, dtype, b_s_w, b_s_x, b_s_x_box
+                        )
+                        self.fb._tile_per_cta(mainloop, b_w_tma, b_w_src, b_x_tma, b_x_src, s_w, s_x, s_x_box,
+                                              ring, m_g1_t, None, None, None, b_mma, warp, tidx,
+                                              bidx * p.fb_passes + j, 0, 0)
 
     @cute.jit
     def _fb_on_resident_f_a(self, b_w_tma, b_w_src, b_x_tma, b_x_src, b_mma, bars, ring, m_g1_t, warp, tidx,
@@ -547,15 +532,6 @@ class WgmmaStage:
             _, t_gw = self._fb_weight_tiles(b_w_tma, b_w_src, s_w, first_block + j)
             for k in range(self.d // t.block_k):
                 cute.prefetch(b_w_tma, t_gw[None, k])
-
-    @cute.jit
-    def _diag_spin(self, tidx, cycles: cutlass.Constexpr[int]):
-        if tidx == 0:
-            start = cute.arch.clock64()
-            now = cute.arch.clock64()
-            while now - start < cutlass.Int64(cycles):
-                now = cute.arch.clock64()
-        cute.arch.sync_threads()
 
     @cute.jit
     def _count_in(self, m_chain, tidx):
