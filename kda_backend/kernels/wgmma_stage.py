@@ -20,10 +20,11 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
 - tokens on M with the two token tiles of each row block sharing every weight tile in a cluster
   (:attr:`WgmmaTactic.weight_cluster`, one consumer warpgroup each): the side chain then runs swap-AB over both tiles'
   tokens, as above, split in pairs where the SMs QKVG leaves hold them (110 CTAs of 112 rows leave 22 at TP 8). Not
-  served by :func:`fused_stage_tactic`: on five H100s it ran within 0.2 us of the 56-row swap-AB form at M = 80..112
+  served by :func:`fused_stage_tactic`: on six H100s it ran within 0.2 us of the 56-row swap-AB form at M = 80..112
   (once 0.58 slower) and mostly up to 0.53 us faster at 120 / 128, twice slower (by up to 0.87; benchmarks/RESULTS.md,
   levers); not measured on H200. Its QKVG runs up to 1.0 us faster than the served form's in the stage's grid, but the
-  side chain beside it costs 1.4 us at 128 tokens against 0.6-0.8 beside the served form (one H100).
+  side chain beside it costs 1.4 us at 128 tokens against 0.55-0.8 beside the served form (two H100s), and fewer
+  side-chain CTAs or a later start do not lower that.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each (with a weight cluster one per token tile, in a cluster); ``side`` is what QKVG
