@@ -24,7 +24,7 @@ over the cluster's tokens), so every CTA runs as many consumer warpgroups as QKV
   (once 0.58 slower) and mostly up to 0.53 us faster at 120 / 128, twice slower (by up to 0.87; benchmarks/RESULTS.md,
   levers); not measured on H200. Its QKVG runs up to 1.0 us faster than the served form's in the stage's grid, but the
   side chain beside it costs 1.4 us at 128 tokens against 0.55-0.8 beside the served form (two H100s), and fewer
-  side-chain CTAs or a later start do not lower that.
+  side-chain CTAs or a later start lower that by 0.06 us at most.
 
 - Grid: ``side`` side-chain CTAs (block indices ``0 .. side - 1``, dispatched first), then QKVG's row blocks of
   the stage's tactic, one CTA each (with a weight cluster one per token tile, in a cluster); ``side`` is what QKVG
