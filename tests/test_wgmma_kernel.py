@@ -53,23 +53,6 @@ def test_a_weight_cluster_splits_m_over_its_token_tiles_and_shares_whole_swizzle
         assert reason in validate_wgmma_tactic(dataclasses.replace(tactic, **change), QKVG_TP8, K, K)
 
 
-def test_padded_operands_load_in_the_fewest_boxes_that_stay_inside_the_tile():
-    """Tokens on M load the activations, padded rows the weights, in TMA boxes of the largest number of 8-token (or
-    8-row) swizzle atoms dividing both the tile and the MMA's padded tile: one box where they are equal, and never a
-    box reaching past the tile's own tokens or rows."""
-    tokens = WgmmaTactic(48, 64, 64, 8, tokens_on_m=True)
-    assert [tokens.for_tokens(m).x_box_tokens for m in (8, 24, 32, 48, 56, 64, 96, 120, 128)] == [
-        8, 8, 32, 16, 8, 64, 32, 8, 128]
-    cluster = WgmmaTactic(112, 64, 64, 10, tokens_on_m=True, weight_cluster=2)
-    assert [cluster.for_tokens(m).x_box_tokens for m in (96, 104, 112, 128)] == [16, 8, 8, 64]
-    assert [WgmmaTactic(rows, 64, 128, 9).w_box_rows for rows in (8, 24, 32, 40, 48, 56)] == [8, 8, 32, 8, 16, 8]
-    padded = [WgmmaTactic(rows, 64, 128, 9) for rows in range(8, 64, 8)]
-    for t in [*(tokens.for_tokens(m) for m in range(8, 129, 8)), *padded]:
-        real, mma, box = ((t.block_t, t.mma_tokens, t.x_box_tokens) if t.tokens_on_m else
-                          (t.block_n, t.mma_rows, t.w_box_rows))
-        assert box % 8 == 0 and real % box == 0 and mma % box == 0
-
-
 def test_tokens_on_m_tiles_take_64_tokens_per_warpgroup():
     """Tokens on the MMA's M side: one consumer warpgroup per 64 tokens (the MMA pads the tile to them, in shared
     memory only), any multiple of 8 weight rows per CTA (48 rows: 128 CTAs for TP 8 QKVG), token tiles of M rounded

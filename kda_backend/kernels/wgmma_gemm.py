@@ -48,7 +48,6 @@ provider launch either; it takes no part in the single-stream side chain
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import cutlass
@@ -211,19 +210,6 @@ class WgmmaTactic(SplitKSchedule):
     def mma_tokens(self) -> int:
         """Tokens one CTA's MMAs cover: ``block_t``, or with ``tokens_on_m`` whole 64-token atoms."""
         return ATOM_ROWS * self.consumer_warpgroups if self.tokens_on_m else self.block_t
-
-    @property
-    def x_box_tokens(self) -> int:
-        """Tokens per activation TMA box with ``tokens_on_m``: the most that divide both the tile's tokens and the
-        MMA's (whole 8-token swizzle atoms, so the boxes lie in the slot as its tokens do and none reaches past the
-        tile)."""
-        return int(__import__('os').environ.get('KDA_DIAG_BOX', 0)) or math.gcd(self.block_t, self.mma_tokens)
-
-    @property
-    def w_box_rows(self) -> int:
-        """Weight rows per TMA box where :attr:`padded_rows`: the most that divide both the CTA's rows and the
-        MMA's 64, as :attr:`x_box_tokens`."""
-        return int(__import__('os').environ.get('KDA_DIAG_BOX', 0)) or math.gcd(self.block_n, self.mma_rows)
 
     @property
     def consumer_threads(self) -> int:
@@ -504,12 +490,11 @@ class WgmmaGemm:
             tile_mnk = (t.mma_tokens, t.block_n, t.block_k)
             s_x_layout = hopper_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
             s_w_layout = hopper_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, dtype, t.stages)
-            # The same ring as boxes of b = x_box_tokens tokens: box j of slot s is rows bj .. bj + b - 1 of that
-            # slot's tile.
-            x_box = (t.x_box_tokens, t.block_k)
+            # The same ring as boxes of 8 tokens: box j of slot s is rows 8j .. 8j + 7 of that slot's tile.
+            x_box = (BOX_ROWS, t.block_k)
             s_x_box_layout = hopper_helpers.make_smem_layout_a(
-                LayoutEnum.ROW_MAJOR, (t.x_box_tokens, t.block_n, t.block_k), dtype,
-                t.stages * t.mma_tokens // t.x_box_tokens,
+                LayoutEnum.ROW_MAJOR, (BOX_ROWS, t.block_n, t.block_k), dtype,
+                t.stages * t.mma_tokens // BOX_ROWS,
             )
         else:
             tile_mnk = (t.mma_rows, t.block_t, t.block_k)
@@ -526,9 +511,9 @@ class WgmmaGemm:
         so the boxes lie in the tile exactly as its rows do)."""
         t = self.tactic
         if t.padded_rows:
-            return (t.w_box_rows, t.block_k), hopper_helpers.make_smem_layout_a(
-                LayoutEnum.ROW_MAJOR, (t.w_box_rows, t.block_t, t.block_k), dtype,
-                t.stages * t.mma_rows // t.w_box_rows,
+            return (BOX_ROWS, t.block_k), hopper_helpers.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (BOX_ROWS, t.block_t, t.block_k), dtype,
+                t.stages * t.mma_rows // BOX_ROWS,
             )
         if t.weight_cluster > 1:
             share = t.block_n // t.weight_cluster
@@ -712,13 +697,13 @@ class WgmmaGemm:
         tokens, K-tiles)."""
         t = self.tactic
         if cutlass.const_expr(t.padded_rows):
-            g_w = cute.local_tile(w_src, (t.w_box_rows, t.block_k), (None, None))
+            g_w = cute.local_tile(w_src, (BOX_ROWS, t.block_k), (None, None))
         elif cutlass.const_expr(t.weight_cluster > 1):
             g_w = cute.local_tile(w_src, (t.block_n // t.weight_cluster, t.block_k), (None, None))
         else:
             g_w = cute.local_tile(w_src, (t.block_n, t.block_k), (row_block, None))
         if cutlass.const_expr(t.tokens_on_m):
-            g_x = cute.local_tile(x_src, (t.x_box_tokens, t.block_k), (None, None))
+            g_x = cute.local_tile(x_src, (BOX_ROWS, t.block_k), (None, None))
         else:
             g_x = cute.local_tile(x_src, (t.block_t, t.block_k), (token_tile, None))
         t_sw, t_gw = cpasync.tma_partition(
@@ -777,15 +762,14 @@ class WgmmaGemm:
                       t_sw[None, slot * t.weight_cluster + rank], tma_bar_ptr=bar, mcast_mask=everyone,
                       cache_policy=policy)
             return
-        boxes = (t.block_n // t.w_box_rows, t.mma_rows // t.w_box_rows) if t.padded_rows else None
+        boxes = (t.block_n // BOX_ROWS, t.mma_rows // BOX_ROWS) if t.padded_rows else None
         _load_tile(w_tma, t_gw, t_sw, row_block, k, slot, bar, policy, boxes)
 
     def _load_x(self, x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy) -> None:
         """Start the activation tile's TMA load of K-tile ``k`` into ring slot ``slot``: one box, or with
-        ``tokens_on_m`` one box per :attr:`WgmmaTactic.x_box_tokens` of the tile's tokens (the MMA's padding tokens
-        stay unloaded)."""
+        ``tokens_on_m`` one box per 8 of the tile's tokens (the MMA's padding tokens stay unloaded)."""
         t = self.tactic
-        boxes = (t.block_t // t.x_box_tokens, t.mma_tokens // t.x_box_tokens) if t.tokens_on_m else None
+        boxes = (t.block_t // BOX_ROWS, t.mma_tokens // BOX_ROWS) if t.tokens_on_m else None
         _load_tile(x_tma, t_gx, t_sx, token_tile, k, slot, bar, policy, boxes)
 
     @cute.jit
