@@ -81,7 +81,7 @@ BLOCK_ROWS = (64, 128, 256)  # weight rows per CTA under swap-AB
 # loaded. One box of 64 tokens reaching past M is zero-filled by the TMA unit, which measured slow: TP 8 QKVG alone
 # 31.0 / 29.5 us at M = 24 / 32 against 22.5 / 21.9 at 48 / 64
 # (benchmarks/results/levers/wgmma-tokens-on-m-whole-box.log). Fewer boxes where the tile's tokens (rows) allow, up to
-# one of 128, moved no served stage by more than 0.16 us (benchmarks/results/levers/activation-box-size/).
+# one of 128, moved no served stage by more than 0.16 us on an H100 (benchmarks/results/levers/activation-box-size/).
 BOX_ROWS = 8
 MAX_TOKENS_ON_M = 2 * ATOM_ROWS  # the largest token tile with tokens_on_m: two consumer warpgroups
 # Padded-rows CTAs split K in a cluster of this many (split_k), each loading half the activations and issuing half
